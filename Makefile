@@ -1,0 +1,37 @@
+# `make demo` and `make test` do all set-up on a fresh machine with Python 3.11.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rankwatch-installed
+
+.PHONY: demo test setup bench lint docs clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install_torch.sh
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  $(PYTHON) -m venv $(VENV); \
+	fi
+	bash scripts/install_torch.sh $(PY)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rankwatch demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/collector_overhead.py
+
+lint: $(STAMP)
+	$(PY) -m mypy collector trainer analytics cli.py
+
+docs: $(STAMP)
+	$(PY) -c "from rankwatch.collector.schema import render_markdown; print(render_markdown(), end='')" > docs/telemetry.md
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

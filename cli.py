@@ -1,0 +1,131 @@
+"""The `rankwatch` command: train (the canary job), demo, telemetry (what a run holds)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rankwatch.trainer.faults import FAULT_HELP
+
+DEMO_RUN_DIR = Path("runs/demo")
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("train", help="run the canary job on N real ranks with the collector embedded")
+    p.add_argument("--nproc", type=int, required=True, help="number of ranks")
+    p.add_argument("--steps", type=int, required=True, help="training steps")
+    p.add_argument("--run-dir", type=Path, required=True, help="where telemetry and checkpoints go")
+    p.add_argument("--layout", default="", help="dp=N,tp=N,pp=N (product = --nproc; dp defaults to the rest)")
+    p.add_argument("--hosts", type=int, default=1, help="virtual hosts the ranks are spread over")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fault", action="append", default=[], metavar="SPEC", help=f"inject a fault: {FAULT_HELP}")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps")
+    p.add_argument("--gpu", default="auto", help="GPU sampler: auto | nvml | replay | off")
+    p.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, seconds")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (part of the numerics)")
+    p.add_argument("--fingerprint-every", type=int, default=10)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--no-collector", action="store_true", help="train without telemetry (overhead baseline)")
+    p.add_argument("--timeout", type=float, default=None, help="terminate the job after this many seconds")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rankwatch.trainer.canary import CanaryConfig
+    from rankwatch.trainer.faults import Faults
+    from rankwatch.trainer.launch import launch
+    from rankwatch.trainer.parallel import Layout
+
+    cfg = CanaryConfig(
+        run_dir=args.run_dir,
+        steps=args.steps,
+        layout=Layout.parse(args.layout, nproc=args.nproc),
+        hosts=args.hosts,
+        seed=args.seed,
+        faults=Faults.parse(args.fault),
+        checkpoint_every=args.checkpoint_every,
+        gpu=args.gpu,
+        pg_timeout_s=args.pg_timeout,
+        threads=args.threads,
+        fingerprint_every=args.fingerprint_every,
+        global_batch=args.global_batch,
+        collector=not args.no_collector,
+    )
+    print(f"rankwatch train: {cfg.world_size} ranks ({cfg.layout}) on {cfg.hosts} host(s), {cfg.steps} steps -> {cfg.run_dir}")
+    for spec in cfg.faults.specs():
+        print(f"  fault {spec}")
+    result = launch(cfg, timeout_s=args.timeout)
+    codes = ", ".join(f"{r}:{c}" for r, c in enumerate(result.exit_codes))
+    print(f"rankwatch train: finished in {result.duration_s:.1f}s; exit codes {codes}")
+    if result.terminated:
+        print(f"rankwatch train: terminated ranks {list(result.terminated)} after a failure")
+    return 0 if result.ok else 1
+
+
+def _print_summary(run_dir: Path) -> None:
+    from rankwatch.analytics.store import table_summaries
+
+    summaries = table_summaries(run_dir)
+    print(f"telemetry: {run_dir.resolve() / 'telemetry'}")
+    print(f"  {'table':<18} {'rows':>9} {'ranks':>6} {'files':>6} {'KiB':>8}")
+    for s in summaries:
+        print(f"  {s.table:<18} {s.rows:>9} {s.ranks:>6} {s.files:>6} {s.bytes / 1024:>8.1f}")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rankwatch.trainer.canary import CanaryConfig
+    from rankwatch.trainer.faults import Faults
+    from rankwatch.trainer.launch import launch
+    from rankwatch.trainer.parallel import Layout
+
+    run_dir: Path = args.run_dir
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    faults = Faults().slow(rank=5, from_step=100, delay_s=0.03).throttle(rank=2, from_step=150, delay_s=0.02)
+    cfg = CanaryConfig(
+        run_dir=run_dir,
+        steps=args.steps,
+        layout=Layout(dp=2, tp=2, pp=2),
+        hosts=2,
+        seed=0,
+        faults=faults,
+        checkpoint_every=100,
+        gpu="replay",
+    )
+    print(f"rankwatch demo: 8 ranks (dp=2,tp=2,pp=2) on 2 virtual hosts, {cfg.steps} steps, gloo on CPU")
+    print("  injected: " + "; ".join(faults.specs()))
+    result = launch(cfg, timeout_s=600)
+    print(f"  finished in {result.duration_s:.1f}s, exit codes {list(result.exit_codes)}")
+    _print_summary(run_dir)
+    return 0 if result.ok else 1
+
+
+def _telemetry(args: argparse.Namespace) -> int:
+    _print_summary(args.run_dir)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rankwatch", description="telemetry and straggler detection for distributed PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    d = sub.add_parser("demo", help="run the canary on 8 ranks with a slow rank and a throttled GPU")
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--run-dir", type=Path, default=DEMO_RUN_DIR)
+    t = sub.add_parser("telemetry", help="what a run's telemetry holds (rows per table)")
+    t.add_argument("run_dir", type=Path)
+    args = parser.parse_args(argv)
+    handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry}
+    try:
+        return handlers[args.command](args)
+    except ValueError as exc:  # bad input: one line, no traceback
+        print(f"rankwatch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""rankwatch.collector: per-rank telemetry recorded inside the training loop, written as parquet."""
+
+from rankwatch.collector.collectives import CollectiveTracker, GroupInfo
+from rankwatch.collector.collector import CheckpointPhaseRecord, Collector, CollectorConfig, StepRecord
+from rankwatch.collector.fingerprint import Fingerprint, fingerprint
+from rankwatch.collector.gpu import (
+    DeviceInfo,
+    GpuMonitor,
+    GpuSample,
+    GpuSampler,
+    GpuUnavailable,
+    NvmlSampler,
+    ReplaySampler,
+    open_sampler,
+)
+from rankwatch.collector.null import NullCollector
+from rankwatch.collector.schema import SCHEMA_VERSION, Table
+from rankwatch.collector.sink import MemorySink, ParquetSink, Sink, SinkConfig
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CheckpointPhaseRecord",
+    "CollectiveTracker",
+    "Collector",
+    "CollectorConfig",
+    "DeviceInfo",
+    "Fingerprint",
+    "GpuMonitor",
+    "GpuSample",
+    "GpuSampler",
+    "GpuUnavailable",
+    "GroupInfo",
+    "MemorySink",
+    "NullCollector",
+    "NvmlSampler",
+    "ParquetSink",
+    "ReplaySampler",
+    "Sink",
+    "SinkConfig",
+    "StepRecord",
+    "Table",
+    "fingerprint",
+    "open_sampler",
+]

@@ -1,0 +1,316 @@
+"""Per-collective timing: explicit torch.distributed calls, DDP gradient buckets, and what is still in flight.
+
+Each operation is entered (clocks read, registered as open) before the call and exited after it. An operation
+that never exits — the rank died, hung or was killed inside it — stays in the open set; the sink's writer
+snapshots open operations older than a threshold as ``in_flight`` rows at every flush, so a post-mortem sees
+where every rank was stuck. On CUDA, device time comes from CUDA events resolved after the fact by polling
+``Event.query()``; nothing here synchronizes the device.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rankwatch.collector.schema import CollectiveStatus, Collectives, GroupKind, Table, column_names, link_name
+from rankwatch.collector.sink import Row
+
+assert column_names(Table.COLLECTIVES)[0] == Collectives.RANK  # rows below are built in schema order
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupInfo:
+    """A process group as telemetry names it."""
+
+    name: str
+    kind: GroupKind
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]
+    """Host of each member, in `ranks` order."""
+
+    @property
+    def links(self) -> tuple[str, ...]:
+        """Inter-host links a ring over the members crosses, sorted and unique."""
+        n = len(self.hosts)
+        if n < 2:
+            return ()
+        pairs = {link_name(self.hosts[i], self.hosts[(i + 1) % n]) for i in range(n)}
+        return tuple(sorted(p for p in pairs if p.split("<->")[0] != p.split("<->")[1]))
+
+
+class _Open:
+    __slots__ = (
+        "op", "group", "seq", "group_seq", "step", "peer", "nbytes", "dtype", "async_op",
+        "enter_wall", "enter_mono", "cuda_start", "cuda_end",
+    )
+
+    def __init__(self, **kw: Any) -> None:
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class StepCounters:
+    """What the collective tracker adds to the step in progress (owned by the collector's step)."""
+
+    __slots__ = (
+        "step", "seq", "blocked_ns", "blocked", "async_last_enter_mono", "async_last_exit_mono", "grad_sq", "grad_sq_dev",
+    )
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.seq = 0
+        self.blocked_ns = 0
+        self.blocked: list[tuple[int, int]] = []  # (enter, exit) monotonic ns of blocking collectives
+        self.async_last_enter_mono = 0
+        self.async_last_exit_mono = 0
+        self.grad_sq = 0.0
+        self.grad_sq_dev: torch.Tensor | None = None
+
+    def async_exposed_ns(self) -> int:
+        """Exposed tail of asynchronous collectives (DDP buckets): from the last one issued to the last one done,
+        less the time the training thread spent blocked in other collectives meanwhile (counted already)."""
+        lo, hi = self.async_last_enter_mono, self.async_last_exit_mono
+        if hi <= lo:
+            return 0
+        overlap = sum(max(0, min(hi, b) - max(lo, a)) for a, b in self.blocked)
+        return max(0, hi - lo - overlap)
+
+
+def _payload(tensor: torch.Tensor | list[torch.Tensor] | None) -> tuple[int, str]:
+    if tensor is None:
+        return 0, ""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.numel() * tensor.element_size(), str(tensor.dtype).removeprefix("torch.")
+    nbytes = sum(t.numel() * t.element_size() for t in tensor)
+    return nbytes, (str(tensor[0].dtype).removeprefix("torch.") if tensor else "")
+
+
+class CollectiveTracker:
+    """Times collectives for one rank and writes `collectives` rows to a sink."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        append: Callable[[Table, Row], None],
+        counters: Callable[[], StepCounters | None],
+        on_error: Callable[[BaseException, _Open], None],
+        on_internal: Callable[[str, Exception], None],
+        inflight_after_s: float = 0.5,
+    ) -> None:
+        self._rank = rank
+        self._append = append
+        self._counters = counters
+        self._on_error = on_error
+        self._on_internal = on_internal
+        self._inflight_after_ns = int(inflight_after_s * 1e9)
+        self._groups: dict[int, GroupInfo] = {}
+        self._group_seq: dict[str, int] = {}
+        self._open: dict[tuple[str, int], _Open] = {}
+        self._pending_cuda: list[tuple[_Open, Row]] = []
+        self._lock = threading.Lock()
+        self.recorded = 0
+
+    # -- groups ---------------------------------------------------------------------------------------
+    def register_group(self, group: Any, info: GroupInfo) -> None:
+        self._groups[id(group) if group is not None else 0] = info
+
+    def groups(self) -> list[GroupInfo]:
+        return list(dict.fromkeys(self._groups.values()))
+
+    def info(self, group: Any) -> GroupInfo:
+        found = self._groups.get(id(group) if group is not None else 0)
+        if found is None and (group is None or group is dist.GroupMember.WORLD):
+            found = self._groups.get(0) or self._groups.get(id(dist.GroupMember.WORLD))
+        if found is None:
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+            found = GroupInfo(name=f"group{len(self._groups)}", kind=GroupKind.OTHER, ranks=ranks, hosts=())
+            self._groups[id(group) if group is not None else 0] = found
+        return found
+
+    # -- enter / exit ---------------------------------------------------------------------------------
+    def enter(
+        self,
+        op: str,
+        group: Any,
+        tensor: torch.Tensor | list[torch.Tensor] | None = None,
+        *,
+        peer: int | None = None,
+        async_op: bool = False,
+    ) -> _Open:
+        info = self.info(group)
+        with self._lock:
+            gseq = self._group_seq.get(info.name, 0)
+            self._group_seq[info.name] = gseq + 1
+        counters = self._counters()
+        if counters is not None:
+            seq = counters.seq
+            counters.seq += 1
+            step = counters.step
+        else:
+            seq, step = -1, -1
+        nbytes, dtype = _payload(tensor)
+        o = _Open(
+            op=op, group=info, seq=seq, group_seq=gseq, step=step, peer=peer, nbytes=nbytes, dtype=dtype,
+            async_op=async_op, enter_wall=time.time_ns(), enter_mono=time.monotonic_ns(), cuda_start=None, cuda_end=None,
+        )
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda and not async_op:
+            o.cuda_start = torch.cuda.Event(enable_timing=True)
+            o.cuda_start.record()
+        if counters is not None and async_op:
+            counters.async_last_enter_mono = o.enter_mono
+        self._open[(info.name, gseq)] = o
+        return o
+
+    def exit(self, o: _Open, error: BaseException | None = None) -> None:
+        exit_mono = time.monotonic_ns()
+        exit_wall = time.time_ns()
+        self._open.pop((o.group.name, o.group_seq), None)
+        duration = exit_mono - o.enter_mono
+        counters = self._counters()
+        if counters is not None and counters.step == o.step:
+            if o.async_op:
+                counters.async_last_exit_mono = max(counters.async_last_exit_mono, exit_mono)
+            else:
+                counters.blocked_ns += duration
+                counters.blocked.append((o.enter_mono, exit_mono))
+        status = CollectiveStatus.OK if error is None else CollectiveStatus.ERROR
+        err = None if error is None else f"{type(error).__name__}: {error}"[:500]
+        row = self._row(o, exit_wall, exit_mono, duration, None, status, err)
+        if error is not None:
+            self._on_error(error, o)
+        if o.cuda_start is not None and error is None:
+            o.cuda_end = torch.cuda.Event(enable_timing=True)
+            o.cuda_end.record()
+            self._pending_cuda.append((o, row))
+            return
+        self._append(Table.COLLECTIVES, row)
+        self.recorded += 1
+
+    def _row(
+        self, o: _Open, exit_wall: int | None, exit_mono: int | None, duration: int | None,
+        device_ns: int | None, status: CollectiveStatus, error: str | None,
+    ) -> Row:
+        return (
+            self._rank, o.step, o.seq, o.group_seq, o.op, o.group.name, list(o.group.ranks), o.peer, o.nbytes,
+            o.dtype, o.async_op, o.enter_wall, o.enter_mono, exit_wall, exit_mono, duration, device_ns,
+            str(status), error,
+        )
+
+    @contextmanager
+    def timed(
+        self,
+        op: str,
+        group: Any,
+        tensor: torch.Tensor | list[torch.Tensor] | None = None,
+        *,
+        peer: int | None = None,
+    ) -> Iterator[GroupInfo | None]:
+        """Time a blocking collective issued in the body: ``with tracker.timed("all_reduce", g, t): ...``.
+
+        The body's exceptions pass through; the tracker's own never reach it."""
+        try:
+            o: _Open | None = self.enter(op, group, tensor, peer=peer)
+        except Exception as exc:
+            self._on_internal("collective.enter", exc)
+            o = None
+        try:
+            yield o.group if o is not None else None  # type: ignore[misc]
+        except BaseException as exc:
+            if o is not None:
+                self._safe_exit(o, exc)
+            raise
+        if o is not None:
+            self._safe_exit(o)
+
+    def _safe_exit(self, o: _Open, error: BaseException | None = None) -> None:
+        try:
+            self.exit(o, error)
+        except Exception as exc:
+            self._on_internal("collective.exit", exc)
+
+    # -- DDP ------------------------------------------------------------------------------------------
+    def ddp_comm_hook(
+        self, group: Any = None, *, before: Callable[[GroupInfo], None] | None = None
+    ) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
+        """A DDP comm hook (``ddp.register_comm_hook(None, hook)``): averaging all-reduce per bucket, timed,
+        and the bucket's local squared norm added to the step's pre-all-reduce gradient norm."""
+
+        size = dist.get_world_size(group)
+
+        def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+            buf: torch.Tensor = bucket.buffer()
+            o: _Open | None = None
+            try:
+                counters = self._counters()
+                if counters is not None:
+                    flat = buf.detach().view(-1)
+                    if flat.dtype not in (torch.float32, torch.float64):
+                        flat = flat.float()
+                    sq = torch.dot(flat, flat)  # one pass, no temporary
+                    if buf.is_cuda:
+                        counters.grad_sq_dev = sq if counters.grad_sq_dev is None else counters.grad_sq_dev + sq
+                    else:
+                        counters.grad_sq += float(sq)
+                o = self.enter("all_reduce", group, buf, async_op=True)
+            except Exception as exc:
+                self._on_internal("ddp_comm_hook", exc)
+            try:
+                if before is not None and o is not None:
+                    before(o.group)
+                buf.div_(size)
+                fut = dist.all_reduce(buf, group=group, async_op=True).get_future()  # type: ignore[union-attr]
+            except BaseException as exc:
+                if o is not None:
+                    self._safe_exit(o, exc)
+                raise
+
+            def done(f: torch.futures.Future[Any]) -> torch.Tensor:
+                try:
+                    value = f.value()
+                except BaseException as exc:
+                    if o is not None:
+                        self._safe_exit(o, exc)
+                    raise
+                if o is not None:
+                    self._safe_exit(o)
+                return value[0] if isinstance(value, list) else value
+
+            return fut.then(done)
+
+        # DDP checks these annotations at registration; under postponed evaluation they would be strings
+        hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+        return hook
+
+    # -- state for the writer and heartbeats ---------------------------------------------------------
+    def in_flight_rows(self) -> Iterable[tuple[Table, Row]]:
+        now = time.monotonic_ns()
+        for o in list(self._open.values()):
+            if now - o.enter_mono >= self._inflight_after_ns:
+                yield Table.COLLECTIVES, self._row(o, None, None, None, None, CollectiveStatus.IN_FLIGHT, None)
+
+    def oldest_open(self) -> _Open | None:
+        opened = list(self._open.values())
+        return min(opened, key=lambda o: o.enter_mono) if opened else None
+
+    def resolve_cuda(self, *, wait: bool = False) -> None:
+        """Append rows whose CUDA events completed (all of them, synchronizing, when `wait`)."""
+        still: list[tuple[_Open, Row]] = []
+        for o, row in self._pending_cuda:
+            if wait or o.cuda_end.query():
+                if wait:
+                    o.cuda_end.synchronize()
+                device_ns = int(o.cuda_start.elapsed_time(o.cuda_end) * 1e6)
+                idx = column_names(Table.COLLECTIVES).index(Collectives.DEVICE_DURATION_NS)
+                self._append(Table.COLLECTIVES, row[:idx] + (device_ns,) + row[idx + 1 :])
+                self.recorded += 1
+            else:
+                still.append((o, row))
+        self._pending_cuda = still

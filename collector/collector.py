@@ -1,0 +1,540 @@
+"""The per-rank collector embedded in the training loop.
+
+    collector = Collector(CollectorConfig(run_dir=run), rank=r, world_size=n, host="host0", local_rank=0)
+    collector.start()
+    for i in range(steps):
+        with collector.step(i) as s:
+            batch = next(loader)                      # loader = collector.wrap_loader(data, position=...)
+            with collector.phase("forward"): ...
+            with collector.collective("all_reduce", group, t): dist.all_reduce(t, group=group)
+            s.loss = loss_value
+        collector.maybe_fingerprint(i, model, optimizer, data_position=...)
+    collector.close(exit_code=0)
+
+Failure semantics: nothing here raises into the training loop or blocks it on I/O. Internal errors are
+counted (`errors`) and the first is logged; the user's own exceptions pass through untouched (after being
+recorded). Rows go to a `Sink`; the parquet sink writes on a background thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, ParamSpec, TypeVar
+
+import torch
+
+from rankwatch.collector.collectives import CollectiveTracker, GroupInfo, StepCounters, _Open
+from rankwatch.collector.fingerprint import fingerprint
+from rankwatch.collector.gpu import GpuMonitor, GpuSample, GpuSampler
+from rankwatch.collector.schema import CheckpointPhase, EventKind, Table
+from rankwatch.collector.sink import ParquetSink, Sink, SinkConfig
+
+log = logging.getLogger("rankwatch.collector")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectorConfig:
+    run_dir: Path
+    """Run directory; telemetry goes under <run_dir>/telemetry."""
+    flush_interval_s: float = 2.0
+    """Seconds between part-file writes (bounds what a SIGKILL loses)."""
+    heartbeat_interval_s: float = 1.0
+    """Seconds between heartbeat events (written by a thread, so they continue while training is stuck)."""
+    gpu_interval_s: float = 1.0
+    """Seconds between GPU samples."""
+    fingerprint_every: int = 10
+    """Fingerprint the training state every N steps (0 = never)."""
+    inflight_after_s: float = 0.5
+    """A collective open this long is written as an in_flight row at the next flush."""
+    max_buffered_rows: int = 100_000
+    """Per-table buffer bound for evidence tables."""
+    low_priority_max_rows: int = 10_000
+    """Per-table buffer bound for GPU samples and phases (dropped first)."""
+    handle_sigterm: bool = True
+    """Record SIGTERM and flush before the process dies (main thread only)."""
+
+    def __post_init__(self) -> None:
+        for name in ("flush_interval_s", "heartbeat_interval_s", "gpu_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"CollectorConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.fingerprint_every < 0:
+            raise ValueError(f"CollectorConfig.fingerprint_every must be >= 0, got {self.fingerprint_every}")
+        if self.inflight_after_s < 0:
+            raise ValueError(f"CollectorConfig.inflight_after_s must be >= 0, got {self.inflight_after_s}")
+
+    def sink_config(self) -> SinkConfig:
+        return SinkConfig(
+            flush_interval_s=self.flush_interval_s,
+            max_buffered_rows=self.max_buffered_rows,
+            low_priority_max_rows=self.low_priority_max_rows,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class StepRecord:
+    """The step in progress; the training loop sets `loss`, `local_grad_norm` and `data_position`."""
+
+    step: int
+    counters: StepCounters
+    start_wall_ns: int
+    start_mono_ns: int
+    loss: float | torch.Tensor | None = None
+    local_grad_norm: float | None = None
+    data_position: int | None = None
+    dataloader_wait_ns: int = 0
+    checkpoint_ns: int = 0
+    phase: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointPhaseRecord:
+    bytes: int | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class _Placement:
+    dp: int = 0
+    tp: int = 0
+    pp: int = 0
+    dp_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _safe(method: Callable[P, R]) -> Callable[P, R | None]:
+    """Count and swallow internal errors: the collector never raises into training."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+        try:
+            return method(*args, **kwargs)
+        except Exception as exc:
+            self = args[0]
+            self._internal_error(method.__name__, exc)  # type: ignore[attr-defined]
+            return None
+
+    return wrapper
+
+
+class Collector:
+    """Records one rank's telemetry. Cheap on the hot path; all file I/O happens on background threads."""
+
+    def __init__(
+        self,
+        config: CollectorConfig,
+        *,
+        rank: int,
+        world_size: int,
+        host: str | None = None,
+        local_rank: int = 0,
+        attempt: int = 0,
+        sink: Sink | None = None,
+        gpu_sampler: GpuSampler | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.host = host or socket.gethostname()
+        self.local_rank = local_rank
+        self.attempt = attempt
+        self.sink = sink if sink is not None else ParquetSink(config.run_dir, rank, config.sink_config())
+        self.gpu_sampler = gpu_sampler
+        self.errors = 0
+        self._current: StepRecord | None = None
+        self._last_step: int | None = None
+        self._phase: str | None = None
+        self._data_position: int | None = None
+        self._pending_wait: tuple[int, int] | None = None  # (start_mono, ns) of a fetch outside a step
+        self._last_failed: _Open | None = None
+        self._closed = False
+        self._started = False
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._gpu_monitor: GpuMonitor | None = None
+        self._prev_sigterm: Any = None
+        self._reported_drops = 0
+        self.tracker = CollectiveTracker(
+            rank=rank,
+            append=self._append,
+            counters=self._counters,
+            on_error=self._collective_failed,
+            on_internal=self._internal_error,
+            inflight_after_s=config.inflight_after_s,
+        )
+        self.sink.set_snapshot(self.tracker.in_flight_rows)
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> Collector:
+        if self._started:
+            return self
+        self._started = True
+        self.sink.start()
+        self.event(EventKind.START, message=f"pid={os.getpid()}")
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"rankwatch-hb-{self.rank}", daemon=True)
+        self._heartbeat.start()
+        if self.gpu_sampler is not None:
+            self._gpu_monitor = GpuMonitor(self.gpu_sampler, self._emit_gpu, interval_s=self.config.gpu_interval_s)
+            self._gpu_monitor.start()
+        if self.config.handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        atexit.register(self.close)
+        return self
+
+    def __enter__(self) -> Collector:
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None:
+            self.exception(exc)
+            code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+            self.close(exit_code=code)
+        else:
+            self.close(exit_code=0)
+
+    def close(self, exit_code: int | None = None) -> None:
+        """Record the exit event, stop threads and flush everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._stop.set()
+            if self._gpu_monitor is not None:
+                self._gpu_monitor.stop(timeout_s=2.0)
+            if self._heartbeat is not None:
+                self._heartbeat.join(timeout=2.0)
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                self.tracker.resolve_cuda(wait=True)
+            self._report_drops()
+            self.event(EventKind.EXIT, exit_code=exit_code)
+            self.sink.close(timeout_s=10.0)
+            if self.gpu_sampler is not None:
+                self.gpu_sampler.close()
+        except Exception as exc:
+            self._internal_error("close", exc)
+        finally:
+            if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
+                try:
+                    signal.signal(signal.SIGTERM, self._prev_sigterm)
+                except Exception:
+                    pass
+            atexit.unregister(self.close)
+
+    def flush(self, timeout_s: float | None = 5.0) -> bool:
+        try:
+            return self.sink.flush(timeout_s)
+        except Exception as exc:
+            self._internal_error("flush", exc)
+            return False
+
+    # -- topology -------------------------------------------------------------------------------------
+    def register_group(self, group: Any, info: GroupInfo) -> None:
+        """Name a process group so its collectives and topology row say what it is."""
+        self.tracker.register_group(group, info)
+
+    @_safe
+    def record_topology(
+        self,
+        *,
+        pid: int | None = None,
+        backend: str = "gloo",
+        dp: int = 0,
+        tp: int = 0,
+        pp: int = 0,
+        dp_size: int = 1,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        device_index: int | None = None,
+        numa_node: int | None = None,
+    ) -> None:
+        device_uuid = pci_bus_id = None
+        if self.gpu_sampler is not None:
+            devices = list(self.gpu_sampler.devices())
+            if devices:
+                device = devices[0]
+                device_index = device.index if device_index is None else device_index
+                device_uuid, pci_bus_id = device.uuid, device.pci_bus_id
+                numa_node = device.numa_node if numa_node is None else numa_node
+        groups = [
+            {"name": g.name, "kind": str(g.kind), "ranks": list(g.ranks), "hosts": list(g.hosts), "links": list(g.links)}
+            for g in self.tracker.groups()
+            if self.rank in g.ranks
+        ]
+        self._append(
+            Table.TOPOLOGY,
+            (
+                self.rank, self.attempt, self.world_size, self.local_rank, self.host, pid or os.getpid(),
+                time.time_ns(), backend, device_index, device_uuid, pci_bus_id, numa_node,
+                dp, tp, pp, dp_size, tp_size, pp_size, groups,
+            ),
+        )
+
+    # -- steps and phases -----------------------------------------------------------------------------
+    def _counters(self) -> StepCounters | None:
+        current = self._current
+        return current.counters if current is not None else None
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[StepRecord]:
+        """Time one training step. A step that raises writes no step row (the exception event covers it)."""
+        record = self._begin_step(step)
+        yield record
+        self._end_step(record)
+
+    def _begin_step(self, step: int) -> StepRecord:
+        start_mono, start_wall = time.monotonic_ns(), time.time_ns()
+        record = StepRecord(step=step, counters=StepCounters(step), start_wall_ns=start_wall, start_mono_ns=start_mono)
+        pending = self._pending_wait
+        if pending is not None:  # the batch for this step was fetched just before it began
+            self._pending_wait = None
+            record.dataloader_wait_ns += pending[1]
+            record.start_wall_ns -= start_mono - pending[0]
+            record.start_mono_ns = pending[0]
+        self._current = record
+        return record
+
+    @_safe
+    def _end_step(self, record: StepRecord) -> None:
+        end_mono, end_wall = time.monotonic_ns(), time.time_ns()
+        self._current = None
+        self._last_step = record.step
+        counters = record.counters
+        duration = end_mono - record.start_mono_ns
+        wait = counters.blocked_ns + counters.async_exposed_ns()
+        compute = max(0, duration - wait - record.dataloader_wait_ns - record.checkpoint_ns)
+        loss = record.loss
+        if isinstance(loss, torch.Tensor):
+            loss = float(loss.detach())
+        grad_norm = record.local_grad_norm
+        if grad_norm is None and (counters.grad_sq or counters.grad_sq_dev is not None):
+            sq = counters.grad_sq + (float(counters.grad_sq_dev) if counters.grad_sq_dev is not None else 0.0)
+            grad_norm = sq**0.5
+        finite = all(v == v and v not in (float("inf"), float("-inf")) for v in (loss, grad_norm) if v is not None)
+        position = record.data_position if record.data_position is not None else self._data_position
+        self._append(
+            Table.STEPS,
+            (
+                self.rank, record.step, self.attempt, record.start_wall_ns, end_wall, record.start_mono_ns, end_mono,
+                duration, compute, wait, record.dataloader_wait_ns, record.checkpoint_ns, counters.seq,
+                loss, grad_norm, finite, position,
+            ),
+        )
+        if self.tracker._pending_cuda:
+            self.tracker.resolve_cuda()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a named phase of the current step (forward, backward, optimizer, ...)."""
+        previous = self._phase
+        self._phase = name
+        start_mono, start_wall = time.monotonic_ns(), time.time_ns()
+        try:
+            yield
+        finally:
+            self._phase = previous
+            current = self._current
+            step = current.step if current is not None else -1
+            self._append(Table.PHASES, (self.rank, step, name, start_wall, start_mono, time.monotonic_ns() - start_mono))
+
+    def wrap_loader(self, iterable: Iterable[R], *, position: Callable[[], int] | None = None) -> Iterator[R]:
+        """Yield from `iterable`, recording time blocked in each fetch and the data position after it."""
+        it = iter(iterable)
+        while True:
+            start = time.monotonic_ns()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            waited = time.monotonic_ns() - start
+            current = self._current
+            if current is not None:
+                current.dataloader_wait_ns += waited
+            else:
+                self._pending_wait = (start, waited)
+            if position is not None:
+                try:
+                    self._data_position = int(position())
+                except Exception as exc:
+                    self._internal_error("wrap_loader.position", exc)
+            yield item
+
+    def set_data_position(self, position: int) -> None:
+        self._data_position = position
+
+    # -- collectives ----------------------------------------------------------------------------------
+    def collective(
+        self,
+        op: str,
+        group: Any,
+        tensor: torch.Tensor | list[torch.Tensor] | None = None,
+        *,
+        peer: int | None = None,
+    ) -> Any:
+        """Context manager timing the blocking collective issued in its body."""
+        return self.tracker.timed(op, group, tensor, peer=peer)
+
+    def ddp_comm_hook(self, group: Any = None, *, before: Callable[[GroupInfo], None] | None = None) -> Any:
+        """A DDP comm hook that times each gradient bucket and measures the pre-all-reduce gradient norm."""
+        return self.tracker.ddp_comm_hook(group, before=before)
+
+    def _collective_failed(self, exc: BaseException, o: _Open) -> None:
+        self._last_failed = o
+        self.event(
+            EventKind.EXCEPTION,
+            exc_type=type(exc).__name__,
+            message=str(exc)[:1000],
+            collective=o,
+        )
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    @contextmanager
+    def checkpoint_phase(
+        self, step: int, checkpoint_id: str, phase: CheckpointPhase, nbytes: int | None = None
+    ) -> Iterator[CheckpointPhaseRecord]:
+        """Time one checkpoint phase; set `.bytes` on the yielded record if known only afterwards."""
+        record = CheckpointPhaseRecord(bytes=nbytes)
+        start_mono, start_wall = time.monotonic_ns(), time.time_ns()
+        error: str | None = None
+        try:
+            yield record
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"[:500]
+            raise
+        finally:
+            end_mono, end_wall = time.monotonic_ns(), time.time_ns()
+            current = self._current
+            if current is not None:
+                current.checkpoint_ns += end_mono - start_mono
+            self._append(
+                Table.CHECKPOINT_PHASES,
+                (
+                    self.rank, step, checkpoint_id, str(phase), start_wall, start_mono, end_wall, end_mono,
+                    end_mono - start_mono, record.bytes, error is None, error,
+                ),
+            )
+
+    # -- fingerprints ---------------------------------------------------------------------------------
+    def maybe_fingerprint(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        domain: str,
+        domain_ranks: list[int] | tuple[int, ...],
+        data_position: int | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Fingerprint after `step` when it is due (every `fingerprint_every` steps, or `force`)."""
+        every = self.config.fingerprint_every
+        if not force and (every == 0 or step % every != 0):
+            return False
+        try:
+            fp = fingerprint(model, optimizer)
+            position = data_position if data_position is not None else self._data_position
+            self._append(
+                Table.FINGERPRINTS,
+                (
+                    self.rank, step, time.time_ns(), domain, list(domain_ranks), fp.param_hash, fp.optim_hash,
+                    fp.rng_python_hash, fp.rng_numpy_hash, fp.rng_torch_hash, fp.rng_cuda_hash, position,
+                    fp.param_count,
+                ),
+            )
+            return True
+        except Exception as exc:
+            self._internal_error("fingerprint", exc)
+            return False
+
+    # -- events ---------------------------------------------------------------------------------------
+    @_safe
+    def event(
+        self,
+        kind: EventKind,
+        *,
+        message: str | None = None,
+        exc_type: str | None = None,
+        collective: _Open | None = None,
+        signal_number: int | None = None,
+        exit_code: int | None = None,
+        dropped_rows: int | None = None,
+    ) -> None:
+        current = self._current
+        step = current.step if current is not None else self._last_step
+        self._append(
+            Table.EVENTS,
+            (
+                self.rank, self.attempt, time.time_ns(), time.monotonic_ns(), str(kind), step, self._phase,
+                exc_type, message,
+                collective.op if collective else None,
+                collective.group.name if collective else None,
+                collective.group_seq if collective else None,
+                signal_number, exit_code, dropped_rows,
+            ),
+        )
+
+    def exception(self, exc: BaseException) -> None:
+        """Record an exception leaving the training loop; names the collective it came from, if any."""
+        failed = self._last_failed
+        if failed is None:
+            failed = self.tracker.oldest_open()
+        self.event(EventKind.EXCEPTION, exc_type=type(exc).__name__, message=str(exc)[:1000], collective=failed)
+        self.flush(timeout_s=5.0)
+
+    def warning(self, message: str) -> None:
+        self.event(EventKind.WARNING, message=message)
+
+    # -- background -----------------------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            try:
+                self.event(EventKind.HEARTBEAT, collective=self.tracker.oldest_open())
+                self._report_drops()
+            except Exception as exc:
+                self._internal_error("heartbeat", exc)
+
+    def _report_drops(self) -> None:
+        total = self.sink.dropped_total
+        if total != self._reported_drops:
+            self._reported_drops = total
+            self.event(EventKind.DROPS, dropped_rows=total, message="writer fell behind; rows dropped")
+
+    def _emit_gpu(self, sample: GpuSample) -> None:
+        current = self._current
+        step = current.step if current is not None else (self._last_step if self._last_step is not None else -1)
+        self._append(Table.GPU, sample.row(rank=self.rank, step=step))
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self.event(EventKind.SIGNAL, signal_number=signum, message=signal.Signals(signum).name)
+        self.close(exit_code=128 + signum)
+        previous = self._prev_sigterm
+        if callable(previous):
+            previous(signum, frame)
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _append(self, table: Table, row: tuple[object, ...]) -> None:
+        try:
+            self.sink.append(table, row)
+        except Exception as exc:  # a Sink must not raise; a broken one still must not reach training
+            self._internal_error(f"sink.append({table})", exc)
+
+    def _internal_error(self, where: str, exc: Exception) -> None:
+        self.errors += 1
+        if self.errors == 1:
+            log.warning("rankwatch collector rank %d: internal error in %s: %s: %s", self.rank, where, type(exc).__name__, exc)

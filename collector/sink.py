@@ -1,0 +1,317 @@
+"""Where telemetry rows go: a `Sink` interface, a parquet implementation and an in-memory fake.
+
+The training thread calls `Sink.append`, which never blocks on I/O and never raises: rows land in bounded
+per-table buffers that a background thread turns into parquet part files. A part file is written under a
+hidden temporary name and renamed into place, so a reader (or a post-mortem after SIGKILL) only ever sees
+complete files. When the writer falls behind, new rows of a full buffer are dropped and counted — low
+priority tables (GPU samples, phases) have smaller buffers, so they are dropped first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rankwatch.collector.schema import (
+    LOW_PRIORITY,
+    PARTITION_KEY,
+    TELEMETRY_DIR,
+    Table,
+    storage_schema,
+)
+
+log = logging.getLogger("rankwatch.collector")
+
+Row = tuple[object, ...]
+#: Rows describing state at write time (e.g. collectives still in flight), asked for at every flush.
+SnapshotFn = Callable[[], Iterable[tuple[Table, Row]]]
+
+_PART_RE = re.compile(r"^part-(\d+)\.parquet$")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SinkConfig:
+    flush_interval_s: float = 2.0
+    """Seconds between background writes; also bounds how much a SIGKILL can lose."""
+    max_buffered_rows: int = 100_000
+    """Per-table buffer bound for evidence tables; rows beyond it are dropped and counted."""
+    low_priority_max_rows: int = 10_000
+    """Per-table buffer bound for low-priority tables (GPU samples, phases)."""
+    rows_per_part: int = 50_000
+    """A buffer this full wakes the writer before the interval ends."""
+    compression: str = "zstd"
+    """Parquet compression codec."""
+    fsync: bool = False
+    """fsync each part before the rename: survives a host crash, not only a process kill. Costs I/O."""
+
+    def __post_init__(self) -> None:
+        if self.flush_interval_s <= 0:
+            raise ValueError(f"flush_interval_s must be > 0, got {self.flush_interval_s}")
+        if self.max_buffered_rows < 1 or self.low_priority_max_rows < 1:
+            raise ValueError("max_buffered_rows and low_priority_max_rows must be >= 1")
+        if self.rows_per_part < 1:
+            raise ValueError(f"rows_per_part must be >= 1, got {self.rows_per_part}")
+
+    def capacity(self, table: Table) -> int:
+        return self.low_priority_max_rows if table in LOW_PRIORITY else self.max_buffered_rows
+
+
+class Sink(ABC):
+    """Accepts telemetry rows (tuples in `schema.column_names(table)` order)."""
+
+    @abstractmethod
+    def append(self, table: Table, row: Row) -> None:
+        """Buffer one row. Never blocks on I/O, never raises."""
+
+    def set_snapshot(self, fn: SnapshotFn | None) -> None:
+        """Register rows to add at every flush (state at write time). Default: ignored."""
+
+    def start(self) -> None:
+        """Start background work, if any."""
+
+    @abstractmethod
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Write what is buffered; True if it completed within the timeout."""
+
+    @abstractmethod
+    def close(self, timeout_s: float | None = 10.0) -> None:
+        """Flush and stop. Appends after close are dropped and counted."""
+
+    @property
+    @abstractmethod
+    def dropped(self) -> Mapping[Table, int]:
+        """Rows dropped so far, per table."""
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+
+class MemorySink(Sink):
+    """In-memory fake for tests and for callers that want rows without files."""
+
+    def __init__(self, *, capacity: int | None = None) -> None:
+        self._rows: dict[Table, list[Row]] = {t: [] for t in Table}
+        self._dropped: dict[Table, int] = {t: 0 for t in Table}
+        self._capacity = capacity
+        self._snapshot: SnapshotFn | None = None
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def append(self, table: Table, row: Row) -> None:
+        with self._lock:
+            rows = self._rows[table]
+            if self.closed or (self._capacity is not None and len(rows) >= self._capacity):
+                self._dropped[table] += 1
+                return
+            rows.append(row)
+
+    def set_snapshot(self, fn: SnapshotFn | None) -> None:
+        self._snapshot = fn
+
+    def snapshot_rows(self) -> list[tuple[Table, Row]]:
+        return list(self._snapshot()) if self._snapshot else []
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return True
+
+    def close(self, timeout_s: float | None = 10.0) -> None:
+        self.closed = True
+
+    @property
+    def dropped(self) -> Mapping[Table, int]:
+        return dict(self._dropped)
+
+    def rows(self, table: Table) -> list[Row]:
+        with self._lock:
+            return list(self._rows[table])
+
+    def table(self, table: Table) -> pa.Table:
+        return rows_to_table(table, self.rows(table))
+
+
+def rows_to_table(table: Table, rows: list[Row]) -> pa.Table:
+    schema = storage_schema(table)
+    columns = list(zip(*rows)) if rows else [() for _ in schema]
+    return pa.Table.from_arrays(
+        [pa.array(col, type=field.type) for col, field in zip(columns, schema)], schema=schema
+    )
+
+
+def partition_dir(run_dir: Path, table: Table, rank: int) -> Path:
+    return Path(run_dir) / TELEMETRY_DIR / str(table) / f"{PARTITION_KEY}={rank}"
+
+
+class ParquetSink(Sink):
+    """Bounded buffers + a background writer of atomically renamed parquet part files, one rank's worth."""
+
+    def __init__(self, run_dir: Path | str, rank: int, config: SinkConfig | None = None) -> None:
+        self._run_dir = Path(run_dir)
+        self._rank = rank
+        self._config = config or SinkConfig()
+        self._buffers: dict[Table, list[Row]] = {t: [] for t in Table}
+        self._caps = {t: self._config.capacity(t) for t in Table}
+        self._dropped: dict[Table, int] = {t: 0 for t in Table}
+        self._next_part: dict[Table, int] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._done = threading.Condition()
+        self._requested = 0
+        self._completed = 0
+        self._closing = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._snapshot: SnapshotFn | None = None
+        self.write_errors = 0
+        self.parts_written = 0
+        self.bytes_written = 0
+
+    # -- training-thread side -------------------------------------------------------------------------
+    def append(self, table: Table, row: Row) -> None:
+        with self._lock:
+            buf = self._buffers[table]
+            if self._closed or len(buf) >= self._caps[table]:
+                self._dropped[table] += 1
+                return
+            buf.append(row)
+            if len(buf) == self._config.rows_per_part:
+                self._wake.set()
+
+    def set_snapshot(self, fn: SnapshotFn | None) -> None:
+        self._snapshot = fn
+
+    @property
+    def dropped(self) -> Mapping[Table, int]:
+        with self._lock:
+            return dict(self._dropped)
+
+    def buffered_rows(self) -> int:
+        with self._lock:
+            return sum(len(b) for b in self._buffers.values())
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"rankwatch-sink-{self._rank}", daemon=True)
+            self._thread.start()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        if self._thread is None or not self._thread.is_alive():
+            self._write_once()  # no writer thread: write inline (close after stop, or never started)
+            return True
+        with self._done:
+            self._requested += 1
+            target = self._requested
+        self._wake.set()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._done:
+            while self._completed < target:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._done.wait(remaining)
+        return True
+
+    def close(self, timeout_s: float | None = 10.0) -> None:
+        if self._closed:
+            return
+        ok = self.flush(timeout_s)
+        self._closing = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._lock:
+            self._closed = True  # from here on appends are counted as dropped
+        if self._thread is None or not self._thread.is_alive():
+            self._write_once()  # rows appended while the writer was stopping
+        else:
+            with self._lock:  # the writer is stuck: what it will never write is lost, and counted
+                for table, buf in self._buffers.items():
+                    self._dropped[table] += len(buf)
+                    self._buffers[table] = []
+        if not ok:
+            log.warning("rankwatch sink rank %d: final flush did not finish within %ss", self._rank, timeout_s)
+
+    # -- writer thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._closing:
+            self._wake.wait(self._config.flush_interval_s)
+            self._wake.clear()
+            with self._done:
+                target = self._requested
+            self._write_once()
+            with self._done:
+                self._completed = max(self._completed, target)
+                self._done.notify_all()
+
+    def _write_once(self) -> None:
+        with self._lock:
+            batches = {t: b for t, b in self._buffers.items() if b}
+            for t in batches:
+                self._buffers[t] = []
+        if self._snapshot is not None:
+            try:
+                for table, row in self._snapshot():
+                    batches.setdefault(table, []).append(row)
+            except Exception as exc:  # a broken snapshot must not stop the writer
+                self._count_error(f"snapshot: {type(exc).__name__}: {exc}")
+        for table, rows in batches.items():
+            try:
+                self._write_part(table, rows)
+            except Exception as exc:
+                self._count_error(f"{table}: {type(exc).__name__}: {exc}")
+                self._requeue(table, rows)
+
+    def _requeue(self, table: Table, rows: list[Row]) -> None:
+        """Put rows that failed to write back in front of the buffer, as far as the bound allows."""
+        with self._lock:
+            buf = self._buffers[table]
+            room = max(0, self._caps[table] - len(buf))
+            keep = rows[-room:] if room else []
+            self._dropped[table] += len(rows) - len(keep)
+            self._buffers[table] = keep + buf
+
+    def _count_error(self, what: str) -> None:
+        self.write_errors += 1
+        if self.write_errors == 1:
+            log.warning("rankwatch sink rank %d: write failed (%s); retrying at the next flush", self._rank, what)
+
+    def _part_number(self, table: Table, directory: Path) -> int:
+        n = self._next_part.get(table)
+        if n is None:
+            existing = [int(m.group(1)) for p in directory.iterdir() if (m := _PART_RE.match(p.name))]
+            n = max(existing, default=-1) + 1
+        self._next_part[table] = n + 1
+        return n
+
+    def _write_part(self, table: Table, rows: list[Row]) -> None:
+        directory = partition_dir(self._run_dir, table, self._rank)
+        directory.mkdir(parents=True, exist_ok=True)
+        data = rows_to_table(table, rows)
+        n = self._part_number(table, directory)
+        final = directory / f"part-{n:06d}.parquet"
+        tmp = directory / f".part-{n:06d}.parquet.tmp"
+        try:
+            pq.write_table(data, tmp, compression=self._config.compression)
+            if self._config.fsync:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self.parts_written += 1
+        self.bytes_written += final.stat().st_size

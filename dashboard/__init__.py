@@ -1,0 +1,3 @@
+"""rankwatch.dashboard: the Streamlit incident dashboard (a later issue)."""
+
+__all__: list[str] = []

@@ -1,0 +1,361 @@
+"""Fault specs: parsing, one-line errors, the immutable chainable set and the questions the trainer asks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rankwatch.collector.schema import ThrottleReason, link_name
+from rankwatch.trainer.faults import (
+    FAULT_HELP,
+    THROTTLE_REASONS,
+    BitFlip,
+    Exit,
+    Fault,
+    FaultKind,
+    Faults,
+    FlipTarget,
+    Hang,
+    Kill,
+    SkewData,
+    SkewRng,
+    Slow,
+    SlowLink,
+    Throttle,
+    fault_spec,
+    parse_fault,
+)
+
+HOSTS = ["host0", "host1", "host2", "host3"]
+
+# One spec per kind with every key given, and what it parses to.
+FULL: dict[FaultKind, tuple[str, Fault]] = {
+    FaultKind.SLOW: (
+        "slow:rank=2,from=10,delay=0.2,until=30,period=4,burst=2",
+        Slow(rank=2, from_step=10, delay_s=0.2, until_step=30, period=4, burst=2),
+    ),
+    FaultKind.EXIT: ("exit:rank=3,step=40,code=7", Exit(rank=3, step=40, code=7)),
+    FaultKind.KILL: ("kill:rank=1,step=5,signal=15", Kill(rank=1, step=5, signal=15)),
+    FaultKind.HANG: ("hang:rank=0,step=12", Hang(rank=0, step=12)),
+    FaultKind.BITFLIP: (
+        "bitflip:rank=1,step=9,target=param,bit=62,param=3,index=17",
+        BitFlip(rank=1, step=9, target=FlipTarget.PARAM, bit=62, param=3, index=17),
+    ),
+    FaultKind.SKEW_RNG: ("skew_rng:rank=2,step=4", SkewRng(rank=2, step=4)),
+    FaultKind.SKEW_DATA: ("skew_data:rank=3,step=6,offset=8", SkewData(rank=3, step=6, offset=8)),
+    FaultKind.THROTTLE: (
+        "throttle:rank=0,from=3,delay=0.05,until=9,reason=power",
+        Throttle(rank=0, from_step=3, delay_s=0.05, until_step=9, reason="power"),
+    ),
+    FaultKind.SLOW_LINK: (
+        "slow_link:hosts=0-1,from=2,delay=0.1,until=8",
+        SlowLink(host_a=0, host_b=1, from_step=2, delay_s=0.1, until_step=8),
+    ),
+}
+
+# The shortest valid spec per kind, and what it parses to (defaults filled in).
+MINIMAL: dict[FaultKind, tuple[str, Fault]] = {
+    FaultKind.SLOW: ("slow:rank=2,delay=0.2", Slow(rank=2, delay_s=0.2)),
+    FaultKind.EXIT: ("exit:rank=3,step=40", Exit(rank=3, step=40, code=1)),
+    FaultKind.KILL: ("kill:rank=1,step=5", Kill(rank=1, step=5, signal=9)),
+    FaultKind.HANG: ("hang:rank=0,step=12", Hang(rank=0, step=12)),
+    FaultKind.BITFLIP: ("bitflip:rank=1,step=9", BitFlip(rank=1, step=9, target=FlipTarget.GRAD, bit=30)),
+    FaultKind.SKEW_RNG: ("skew_rng:rank=2,step=4", SkewRng(rank=2, step=4)),
+    FaultKind.SKEW_DATA: ("skew_data:rank=3,step=6", SkewData(rank=3, step=6, offset=1)),
+    FaultKind.THROTTLE: ("throttle:rank=0", Throttle(rank=0, delay_s=0.02, reason="thermal")),
+    FaultKind.SLOW_LINK: ("slow_link:hosts=1-0,delay=0.1", SlowLink(host_a=1, host_b=0, delay_s=0.1)),
+}
+
+
+def test_every_kind_has_examples() -> None:
+    assert set(FULL) == set(FaultKind) == set(MINIMAL)
+
+
+@pytest.mark.parametrize("kind", list(FaultKind))
+def test_parse_every_kind_and_round_trip(kind: FaultKind) -> None:
+    for spec, expected in (FULL[kind], MINIMAL[kind]):
+        fault = parse_fault(spec)
+        assert fault == expected
+        assert type(fault) is type(expected)
+        assert fault_spec(fault).startswith(f"{kind}:")
+        assert parse_fault(fault_spec(fault)) == fault
+    assert fault_spec(FULL[kind][1]) == FULL[kind][0]
+
+
+def test_parse_tolerates_whitespace_and_empty_items() -> None:
+    assert parse_fault("  exit: rank=1 , step=2 ,, ") == Exit(rank=1, step=2)
+
+
+def test_help_names_every_kind() -> None:
+    for kind in FaultKind:
+        assert f"{kind}:" in FAULT_HELP
+
+
+def _error(spec: str) -> str:
+    with pytest.raises(ValueError) as info:
+        parse_fault(spec)
+    message = str(info.value)
+    assert "\n" not in message, f"multi-line error for {spec!r}: {message!r}"
+    return message
+
+
+def test_unknown_kind_lists_valid_kinds() -> None:
+    message = _error("explode:rank=1,step=2")
+    assert "'explode'" in message
+    for kind in FaultKind:
+        assert str(kind) in message
+
+
+def test_unknown_key_lists_valid_keys() -> None:
+    message = _error("slow:rank=1,delay=0.1,speed=3")
+    assert "speed=3" in message
+    for key in ("rank", "from", "delay", "until", "period", "burst"):
+        assert key in message
+
+
+def test_item_without_equals_is_an_error() -> None:
+    assert "valid keys: rank, step" in _error("hang:rank=1,step")
+
+
+@pytest.mark.parametrize(
+    ("spec", "missing"),
+    [
+        ("slow:rank=1", "delay="),
+        ("slow:delay=0.1", "rank="),
+        ("exit:rank=1", "step="),
+        ("kill:step=3", "rank="),
+        ("hang:", "rank=, step="),
+        ("bitflip", "rank=, step="),
+        ("throttle:delay=0.1", "rank="),
+        ("slow_link:delay=0.1", "hosts="),
+        ("slow_link:hosts=0-1", "delay="),
+    ],
+)
+def test_missing_required_key(spec: str, missing: str) -> None:
+    message = _error(spec)
+    assert "missing" in message and missing in message
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("slow:rank=one,delay=0.1", "rank='one' is not an integer"),
+        ("slow:rank=1,delay=fast", "delay='fast' is not a number"),
+        ("exit:rank=1,step=2.5", "step='2.5' is not an integer"),
+        ("skew_data:rank=1,step=2,offset=x", "offset='x' is not an integer"),
+        ("slow_link:hosts=0-1,delay=slow", "delay='slow' is not a number"),
+    ],
+)
+def test_non_numeric_values(spec: str, fragment: str) -> None:
+    assert fragment in _error(spec)
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("exit:rank=-1,step=3", "rank must be >= 0"),
+        ("hang:rank=0,step=-2", "step must be >= 0"),
+        ("slow:rank=0,from=-1,delay=0.1", "from_step must be >= 0"),
+        ("slow:rank=0,delay=-0.1", "delay must be >= 0"),
+        ("throttle:rank=0,delay=-1", "delay must be >= 0"),
+        ("bitflip:rank=0,step=1,bit=-1", "bit must be >= 0"),
+        ("bitflip:rank=0,step=1,bit=64", "bit must be in 0..63"),
+        ("bitflip:rank=0,step=1,index=-3", "index must be >= 0"),
+        ("slow:rank=0,delay=0.1,period=0", "period must be >= 1"),
+    ],
+)
+def test_negative_and_out_of_range_values(spec: str, fragment: str) -> None:
+    assert fragment in _error(spec)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "slow:rank=0,delay=0.1,period=4,burst=-1",
+        "slow:rank=0,delay=0.1,until=-5",
+        "throttle:rank=0,until=-1",
+        "slow_link:hosts=0-1,delay=0.1,until=-2",
+        "kill:rank=0,step=1,signal=-9",
+    ],
+)
+def test_other_negative_values_are_rejected(spec: str) -> None:
+    _error(spec)
+
+
+@pytest.mark.parametrize("hosts", ["0", "0-0", "a-b", "0-", "-1-0", "0_1", "0-1-2", ""])
+def test_bad_slow_link_hosts(hosts: str) -> None:
+    assert "is not two different host indices like 0-1" in _error(f"slow_link:hosts={hosts},delay=0.1")
+
+
+def test_bad_bitflip_target() -> None:
+    assert "target='weights' is not grad|param" in _error("bitflip:rank=0,step=1,target=weights")
+
+
+def test_bad_throttle_reason() -> None:
+    message = _error("throttle:rank=0,reason=cosmic_rays")
+    assert "reason='cosmic_rays'" in message
+    for reason in THROTTLE_REASONS:
+        assert reason in message
+
+
+def test_faults_parse_and_specs_round_trip() -> None:
+    specs = [spec for spec, _ in FULL.values()]
+    faults = Faults.parse(specs)
+    assert faults.faults == tuple(f for _, f in FULL.values())
+    assert faults.specs() == specs
+    assert Faults.parse(faults.specs()) == faults
+
+
+# -- the chainable set ----------------------------------------------------------------------------------
+
+
+def test_chaining_returns_new_sets_and_leaves_the_old_one_alone() -> None:
+    empty = Faults()
+    one = empty.slow(rank=2, from_step=10, delay_s=0.2)
+    two = one.exit(rank=3, step=40)
+    assert not empty and empty.faults == ()
+    assert one.faults == (Slow(rank=2, from_step=10, delay_s=0.2),)
+    assert two.faults == (Slow(rank=2, from_step=10, delay_s=0.2), Exit(rank=3, step=40))
+    assert one and two
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        two.faults = ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        two.faults[0].delay_s = 1.0
+
+
+def test_every_builder_adds_its_fault() -> None:
+    f = (
+        Faults()
+        .slow(rank=2, from_step=10, delay_s=0.2, until_step=30, period=4, burst=2)
+        .exit(rank=3, step=40, code=7)
+        .kill(rank=1, step=5, signal=15)
+        .hang(rank=0, step=12)
+        .bitflip(rank=1, step=9, target="param", bit=62, param=3, index=17)
+        .skew_rng(rank=2, step=4)
+        .skew_data(rank=3, step=6, offset=8)
+        .throttle(rank=0, from_step=3, delay_s=0.05, until_step=9, reason="power")
+        .slow_link(hosts=(0, 1), from_step=2, delay_s=0.1, until_step=8)
+    )
+    assert f.faults == tuple(fault for _, fault in FULL.values())
+
+
+def test_builders_validate_like_the_parser() -> None:
+    with pytest.raises(ValueError, match="rank must be >= 0"):
+        Faults().hang(rank=-1, step=0)
+    with pytest.raises(ValueError, match="delay must be >= 0"):
+        Faults().slow(rank=0, delay_s=-0.5)
+    with pytest.raises(ValueError, match="reason 'solar' is not one of"):
+        Faults().throttle(rank=0, reason="solar")
+    with pytest.raises(ValueError):
+        Faults().bitflip(rank=0, step=0, target="weights")
+    with pytest.raises(ValueError, match="bit must be in 0..63"):
+        Faults().add(BitFlip(rank=0, step=0, bit=99))
+
+
+def test_validate_rejects_ranks_and_hosts_outside_the_job() -> None:
+    ok = Faults().slow(rank=7, delay_s=0.1).exit(rank=0, step=1).slow_link(hosts=(0, 1), delay_s=0.1)
+    ok.validate(world_size=8, hosts=2)
+    for bad in (Faults().exit(rank=8, step=1), Faults().bitflip(rank=99, step=0)):
+        with pytest.raises(ValueError, match=r"rank \d+ does not exist \(ranks are 0\.\.7\)") as info:
+            bad.validate(world_size=8, hosts=2)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=r"host 2 does not exist \(hosts are 0\.\.1\)"):
+        Faults().slow_link(hosts=(2, 0), delay_s=0.1).validate(world_size=8, hosts=2)
+    with pytest.raises(ValueError, match="host 3 does not exist"):
+        Faults().slow_link(hosts=(0, 3), delay_s=0.1).validate(world_size=8, hosts=2)
+
+
+# -- questions ------------------------------------------------------------------------------------------
+
+
+def test_compute_delay_respects_from_and_until() -> None:
+    f = Faults().slow(rank=2, from_step=10, delay_s=0.2, until_step=13)
+    assert [f.compute_delay_s(2, s) for s in range(8, 15)] == [0.0, 0.0, 0.2, 0.2, 0.2, 0.0, 0.0]
+    assert f.compute_delay_s(1, 11) == 0.0
+
+
+def test_compute_delay_open_ended_and_summed() -> None:
+    f = Faults().slow(rank=0, delay_s=0.1).slow(rank=0, from_step=5, delay_s=0.25).throttle(rank=0, from_step=7, delay_s=0.5)
+    assert f.compute_delay_s(0, 0) == pytest.approx(0.1)
+    assert f.compute_delay_s(0, 5) == pytest.approx(0.35)
+    assert f.compute_delay_s(0, 10_000) == pytest.approx(0.85)
+
+
+def test_compute_delay_intermittent_period_and_burst() -> None:
+    f = Faults().slow(rank=1, from_step=10, delay_s=1.0, period=5, burst=2, until_step=25)
+    active = [s for s in range(0, 30) if f.compute_delay_s(1, s) > 0]
+    assert active == [10, 11, 15, 16, 20, 21]
+    g = Faults().slow(rank=1, from_step=3, delay_s=1.0, period=4)  # burst defaults to one step
+    assert [s for s in range(0, 16) if g.compute_delay_s(1, s) > 0] == [3, 7, 11, 15]
+
+
+def test_throttle_reason_and_delay() -> None:
+    f = Faults().throttle(rank=1, from_step=4, until_step=6, delay_s=0.03, reason="power_brake")
+    assert f.throttle_reason(1, 3) is None
+    assert f.throttle_reason(1, 4) == ThrottleReason.HW_POWER_BRAKE_SLOWDOWN
+    assert f.throttle_reason(1, 5) == ThrottleReason.HW_POWER_BRAKE_SLOWDOWN
+    assert f.throttle_reason(1, 6) is None
+    assert f.throttle_reason(0, 4) is None
+    assert f.compute_delay_s(1, 4) == pytest.approx(0.03)
+    assert Faults().throttle(rank=0).throttle_reason(0, 0) == ThrottleReason.HW_THERMAL_SLOWDOWN
+    assert THROTTLE_REASONS["sw_thermal"] == ThrottleReason.SW_THERMAL_SLOWDOWN
+    assert THROTTLE_REASONS["power"] == ThrottleReason.SW_POWER_CAP
+
+
+def test_exit_kill_hang_at_their_step_only() -> None:
+    f = Faults().exit(rank=3, step=40, code=5).kill(rank=1, step=7).hang(rank=2, step=9)
+    assert f.exit_at(3, 40) == Exit(rank=3, step=40, code=5)
+    assert f.exit_at(3, 39) is None and f.exit_at(2, 40) is None
+    assert f.kill_at(1, 7) == Kill(rank=1, step=7, signal=9)
+    assert f.kill_at(1, 8) is None and f.kill_at(3, 7) is None
+    assert f.hang_at(2, 9) is True
+    assert f.hang_at(2, 10) is False and f.hang_at(1, 9) is False
+
+
+def test_bitflips_by_target() -> None:
+    f = (
+        Faults()
+        .bitflip(rank=1, step=5, target=FlipTarget.GRAD, bit=3)
+        .bitflip(rank=1, step=5, target="param", bit=4)
+        .bitflip(rank=1, step=5, bit=5)
+        .bitflip(rank=0, step=5, bit=6)
+    )
+    assert [b.bit for b in f.bitflips(1, 5, FlipTarget.GRAD)] == [3, 5]
+    assert [b.bit for b in f.bitflips(1, 5, FlipTarget.PARAM)] == [4]
+    assert f.bitflips(1, 6, FlipTarget.GRAD) == []
+    assert [b.bit for b in f.bitflips(0, 5, FlipTarget.GRAD)] == [6]
+
+
+def test_skews_rng_and_data_offset() -> None:
+    f = Faults().skew_rng(rank=2, step=4).skew_data(rank=3, step=6, offset=8).skew_data(rank=3, step=6, offset=2)
+    assert f.skews_rng(2, 4) is True
+    assert f.skews_rng(2, 5) is False and f.skews_rng(3, 4) is False
+    assert f.data_offset(3, 6) == 10
+    assert f.data_offset(3, 7) == 0 and f.data_offset(2, 6) == 0
+
+
+def test_link_delay_by_link_name_and_host_names() -> None:
+    f = Faults().slow_link(hosts=(1, 0), from_step=2, delay_s=0.1, until_step=5).slow_link(hosts=(2, 3), delay_s=0.4)
+    crosses_01 = (link_name("host0", "host1"),)
+    assert crosses_01 == ("host0<->host1",)
+    assert [f.link_delay_s(crosses_01, s, HOSTS) for s in range(7)] == [0.0, 0.0, 0.1, 0.1, 0.1, 0.0, 0.0]
+    assert f.link_delay_s([link_name("host3", "host2")], 0, HOSTS) == pytest.approx(0.4)
+    both = [link_name("host1", "host0"), link_name("host2", "host3")]
+    assert f.link_delay_s(both, 3, HOSTS) == pytest.approx(0.5)
+    assert f.link_delay_s([link_name("host1", "host2")], 3, HOSTS) == 0.0
+    assert f.link_delay_s((), 3, HOSTS) == 0.0
+    renamed = ["node-b", "node-a", "node-c", "node-d"]  # host indices map through the given names
+    assert f.link_delay_s([link_name("node-a", "node-b")], 3, renamed) == pytest.approx(0.1)
+    assert f.link_delay_s(crosses_01, 3, renamed) == 0.0
+
+
+def test_an_empty_set_answers_no() -> None:
+    f = Faults()
+    assert not f
+    assert f.compute_delay_s(0, 0) == 0.0
+    assert f.throttle_reason(0, 0) is None
+    assert f.exit_at(0, 0) is None and f.kill_at(0, 0) is None and f.hang_at(0, 0) is False
+    assert f.bitflips(0, 0, FlipTarget.GRAD) == [] and f.skews_rng(0, 0) is False and f.data_offset(0, 0) == 0
+    assert f.link_delay_s(["host0<->host1"], 0, HOSTS) == 0.0
+    f.validate(world_size=1, hosts=1)

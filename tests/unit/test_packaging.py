@@ -1,0 +1,80 @@
+"""The wheel carries every module, and each package's public surface is pinned."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ["collector", "analytics", "trainer", "dashboard"]
+
+
+def _source_modules() -> list[str]:
+    mods = ["rankwatch", "rankwatch.cli"]
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).glob("*.py")):
+            mods.append(f"rankwatch.{pkg}" if f.name == "__init__.py" else f"rankwatch.{pkg}.{f.stem}")
+    return mods
+
+
+@pytest.mark.timeout(300)
+def test_wheel_contains_and_imports_every_module(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("rankwatch-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {m.replace(".", "/") + ("/__init__.py" if m.count(".") < 2 and m != "rankwatch.cli" else ".py") for m in _source_modules()}
+    assert expected <= names, sorted(expected - names)
+    assert not [n for n in names if n.startswith("rankwatch/tests/")]
+    target = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(target)
+    script = (
+        "import importlib, sys; sys.path.insert(0, sys.argv[1]); "
+        "mods = sys.argv[2:]; "
+        "[importlib.import_module(m) for m in mods]; "
+        "import rankwatch; assert rankwatch.__file__.startswith(sys.argv[1]), rankwatch.__file__; print(len(mods))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(target), *_source_modules()], check=True, capture_output=True, text=True
+    )
+    assert out.stdout.strip() == str(len(_source_modules()))
+
+
+EXPORTS = {
+    "rankwatch.collector": {
+        "SCHEMA_VERSION", "CheckpointPhaseRecord", "CollectiveTracker", "Collector", "CollectorConfig", "DeviceInfo",
+        "Fingerprint", "GpuMonitor", "GpuSample", "GpuSampler", "GpuUnavailable", "GroupInfo", "MemorySink",
+        "NullCollector", "NvmlSampler", "ParquetSink", "ReplaySampler", "Sink", "SinkConfig", "StepRecord", "Table",
+        "fingerprint", "open_sampler",
+    },
+    "rankwatch.analytics": {"AnalyticsError", "RunDirError", "SchemaVersionError", "TableSummary", "connect", "table_summaries"},
+    "rankwatch.trainer": {"CanaryConfig", "Faults", "Hosts", "LaunchResult", "Layout", "ModelConfig", "launch", "parse_fault"},
+    "rankwatch.dashboard": set(),
+}
+
+
+@pytest.mark.parametrize("package", sorted(EXPORTS))
+def test_public_surface_is_pinned(package: str) -> None:
+    mod = importlib.import_module(package)
+    assert set(mod.__all__) == EXPORTS[package]
+    for name in mod.__all__:
+        assert hasattr(mod, name), name
+
+
+def test_collector_does_not_import_trainer_or_dashboard() -> None:
+    """Arrows point one way: trainer -> collector, analytics -> collector; nothing imports dashboard."""
+    for pkg, banned in (("collector", ("rankwatch.trainer", "rankwatch.analytics", "rankwatch.dashboard")),
+                        ("analytics", ("rankwatch.trainer", "rankwatch.dashboard")),
+                        ("trainer", ("rankwatch.analytics", "rankwatch.dashboard"))):
+        for f in (ROOT / pkg).glob("*.py"):
+            text = f.read_text()
+            for b in banned:
+                assert f"import {b}" not in text and f"from {b}" not in text, f"{f} imports {b}"

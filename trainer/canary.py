@@ -1,0 +1,371 @@
+"""The canary job: one rank's training loop on real torch.distributed, with the collector embedded.
+
+Data parallelism goes through DDP (gradient buckets timed by the collector's comm hook, which also measures
+the pre-all-reduce gradient norm); tensor parallelism is explicit all-reduces on the tp group; pipeline
+parallelism is explicit send/recv between neighbouring stages, microbatch by microbatch. Faults come from
+`Faults` and are applied where a real fault would show.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from rankwatch.collector.collector import Collector, CollectorConfig
+from rankwatch.collector.collectives import GroupInfo
+from rankwatch.collector.gpu import ReplaySampler, open_sampler
+from rankwatch.collector.null import NullCollector
+from rankwatch.trainer.checkpoint import save_checkpoint
+from rankwatch.trainer.faults import FlipTarget, Faults
+from rankwatch.trainer.model import ModelConfig, ShardedLoader, Stage, SyntheticRegression
+from rankwatch.trainer.parallel import Hosts, Layout, build_groups
+
+log = logging.getLogger("rankwatch.trainer")
+
+GPU_MODES = ("auto", "nvml", "replay", "off")
+STEP_TIMES_DIR = "step_times"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CanaryConfig:
+    run_dir: Path
+    """Run directory (telemetry, checkpoints, run.json)."""
+    steps: int
+    """Training steps to run."""
+    layout: Layout
+    """Parallel layout; its world size is the number of ranks."""
+    hosts: int = 1
+    """Virtual hosts the ranks are spread over (contiguously)."""
+    seed: int = 0
+    """Seed of model init, data and RNGs."""
+    faults: Faults = field(default_factory=Faults)
+    """Faults to inject."""
+    checkpoint_every: int = 0
+    """Save a checkpoint after every N steps (0 = never)."""
+    global_batch: int = 32
+    """Samples per step over all data-parallel replicas."""
+    microbatches: int = 2
+    """Pipeline microbatches per step."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    threads: int = 1
+    """torch intra-op threads per rank (part of the numerics: keep it fixed to compare runs)."""
+    pg_timeout_s: float = 60.0
+    """Process-group timeout: how long a peer blocks in a collective with a dead or hung rank."""
+    backend: str | None = None
+    """torch.distributed backend; None = nccl with CUDA, else gloo."""
+    gpu: str = "auto"
+    """GPU sampler: auto (NVML if present) | nvml | replay | off."""
+    collector: bool = True
+    """Embed the collector (False = the no-op collector, for overhead comparisons)."""
+    fingerprint_every: int = 10
+    """Fingerprint the training state every N steps."""
+    flush_interval_s: float = 2.0
+    """Collector part-file interval."""
+    heartbeat_interval_s: float = 1.0
+    """Collector heartbeat interval."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model size."""
+    attempt: int = 0
+    """Incarnation of this launch in the run directory."""
+    record_step_times: bool = False
+    """Write each rank's step end times (perf_counter ns, measured outside the collector), and its training
+    thread's and process's CPU time at each step end, to <run>/step_times/rank-<r>.json: the same clocks for
+    collector-on and -off runs, for benchmarks."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.gpu not in GPU_MODES:
+            raise ValueError(f"--gpu {self.gpu!r}: valid values are {', '.join(GPU_MODES)}")
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.global_batch % (self.layout.dp * self.microbatches):
+            raise ValueError(
+                f"global batch {self.global_batch} must be divisible by dp*microbatches={self.layout.dp * self.microbatches}"
+            )
+        Hosts(count=self.hosts, world_size=self.layout.world_size)
+        self.faults.validate(world_size=self.layout.world_size, hosts=self.hosts)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+
+def _flip_bit(t: torch.Tensor, index: int, bit: int) -> None:
+    flat = t.data.view(-1)
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    view = flat.view(ints)
+    i = index % view.numel()
+    b = bit % (8 * flat.element_size())
+    mask = torch.iinfo(ints).min if b == 8 * flat.element_size() - 1 else 1 << b  # the sign bit is iinfo.min
+    view[i] ^= mask
+
+
+class _Rank:
+    """Everything one rank holds while it trains."""
+
+    def __init__(self, cfg: CanaryConfig, rank: int, store_port: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.layout = cfg.layout
+        self.hosts = Hosts(count=cfg.hosts, world_size=cfg.world_size)
+        self.host = self.hosts.host_of(rank)
+        self.local_rank = self.hosts.local_rank(rank)
+        self.dp, self.tp, self.pp = self.layout.coords(rank)
+        self.cuda = torch.cuda.is_available() and cfg.backend != "gloo"
+        self.backend = cfg.backend or ("nccl" if self.cuda else "gloo")
+        self.device = torch.device(f"cuda:{self.local_rank % max(1, torch.cuda.device_count())}") if self.cuda else torch.device("cpu")
+        self.store_port = store_port
+        self.faults = cfg.faults
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        torch.set_num_threads(self.cfg.threads)
+        random.seed(self.cfg.seed)
+        np.random.seed(self.cfg.seed)
+        torch.manual_seed(self.cfg.seed)
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        sampler = None
+        if self.cfg.collector:
+            sampler = open_sampler(self.cfg.gpu, host=self.host, indices=[self.local_rank], seed=self.cfg.seed)
+            self.c: Any = Collector(
+                CollectorConfig(
+                    run_dir=self.cfg.run_dir,
+                    flush_interval_s=self.cfg.flush_interval_s,
+                    heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+                    fingerprint_every=self.cfg.fingerprint_every,
+                ),
+                rank=self.rank,
+                world_size=self.cfg.world_size,
+                host=self.host,
+                local_rank=self.local_rank,
+                attempt=self.cfg.attempt,
+                gpu_sampler=sampler,
+            ).start()
+        else:
+            self.c = NullCollector(rank=self.rank, world_size=self.cfg.world_size)
+        self.replay = sampler if isinstance(sampler, ReplaySampler) else None
+        store = dist.TCPStore("127.0.0.1", self.store_port, self.cfg.world_size, is_master=False,
+                              timeout=timedelta(seconds=max(30.0, self.cfg.pg_timeout_s)))
+        dist.init_process_group(
+            self.backend, store=store, rank=self.rank, world_size=self.cfg.world_size,
+            timeout=timedelta(seconds=self.cfg.pg_timeout_s),
+        )
+        self.groups, mine = build_groups(
+            self.layout, self.hosts, self.rank, timeout=timedelta(seconds=self.cfg.pg_timeout_s)
+        )
+        for group, info in mine:
+            self.c.register_group(group, info)
+        self.c.record_topology(
+            backend=self.backend, dp=self.dp, tp=self.tp, pp=self.pp,
+            dp_size=self.layout.dp, tp_size=self.layout.tp, pp_size=self.layout.pp,
+            device_index=self.device.index if self.cuda else None,
+        )
+        self.c.flush()  # the topology row (with this rank's pid) is on disk before training starts
+
+        self.stage = Stage(self.cfg.model, seed=self.cfg.seed, pp=self.pp, pp_size=self.layout.pp,
+                           tp=self.tp, tp_size=self.layout.tp).to(self.device)
+        self.stage.set_all_reduce(self._tp_all_reduce)
+        self.ddp = DDP(self.stage, process_group=self.groups.dp)
+        self.ddp.register_comm_hook(None, self.c.ddp_comm_hook(self.groups.dp, before=self._link_delay))
+        self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=self.cfg.lr)
+        self.loader = ShardedLoader(SyntheticRegression(self.cfg.model, seed=self.cfg.seed),
+                                    global_batch=self.cfg.global_batch, dp=self.dp, dp_size=self.layout.dp)
+        self.batches = self.c.wrap_loader(self.loader, position=lambda: self.loader.position)
+        self.step = -1
+
+    # -- communication (timed, with link faults inside the timed region) ------------------------------
+    def _link_delay(self, info: GroupInfo) -> None:
+        if self.faults:
+            delay = self.faults.link_delay_s(info.links, self.step, self.hosts.names)
+            if delay > 0:
+                time.sleep(delay)
+
+    def _timed(self, op: str, group: Any, info: GroupInfo, tensor: torch.Tensor, call: Callable[[], Any],
+               peer: int | None = None) -> None:
+        with self.c.collective(op, group, tensor, peer=peer):
+            self._link_delay(info)
+            call()
+
+    def _tp_all_reduce(self, t: torch.Tensor) -> None:
+        g = self.groups.tp
+        self._timed("all_reduce", g, self.groups.tp_info, t, lambda: dist.all_reduce(t, group=g))
+
+    def _send(self, t: torch.Tensor, peer: int) -> None:
+        g = self.groups.pp
+        self._timed("send", g, self.groups.pp_info, t, lambda: dist.send(t, dst=peer, group=g), peer=peer)
+
+    def _recv(self, t: torch.Tensor, peer: int) -> None:
+        g = self.groups.pp
+        self._timed("recv", g, self.groups.pp_info, t, lambda: dist.recv(t, src=peer, group=g), peer=peer)
+
+    # -- faults at step boundaries --------------------------------------------------------------------
+    def _step_start_faults(self, step: int) -> None:
+        f = self.faults
+        if not f:
+            return
+        if (ex := f.exit_at(self.rank, step)) is not None:
+            os._exit(ex.code)
+        if (kill := f.kill_at(self.rank, step)) is not None:
+            os.kill(os.getpid(), kill.signal)
+            time.sleep(60)
+        if f.hang_at(self.rank, step):
+            threading.Event().wait()  # the training thread never returns; heartbeats go on
+        if f.skews_rng(self.rank, step):
+            torch.rand(1)
+        if (offset := f.data_offset(self.rank, step)):
+            self.loader.skip(offset)
+        if self.replay is not None:
+            reason = f.throttle_reason(self.rank, step)
+            if reason is not None:
+                self.replay.throttle(self.local_rank, reason=reason)
+            else:
+                self.replay.clear_throttle(self.local_rank)
+
+    # -- one step -------------------------------------------------------------------------------------
+    def train_step(self, step: int) -> float | None:
+        self.step = step
+        cfg, layout = self.cfg, self.layout
+        first, last = self.pp == 0, self.pp == layout.pp - 1
+        prev_peer = layout.rank_of(dp=self.dp, tp=self.tp, pp=self.pp - 1) if not first else None
+        next_peer = layout.rank_of(dp=self.dp, tp=self.tp, pp=self.pp + 1) if not last else None
+        mb = self.loader.local_batch // cfg.microbatches
+        d_model = cfg.model.d_model
+        flips = self.faults.bitflips(self.rank, step, FlipTarget.GRAD) if self.faults else []
+        handles = [self._grad_flip_hook(f.param, f.index, f.bit) for f in flips]
+        with self.c.step(step) as rec:
+            with self.c.phase("data"):
+                x, y = next(self.batches)
+                x, y = x.to(self.device), y.to(self.device)
+            delay = self.faults.compute_delay_s(self.rank, step) if self.faults else 0.0
+            losses: list[torch.Tensor] = []
+            for m in range(cfg.microbatches):
+                xm, ym = x[m * mb : (m + 1) * mb], y[m * mb : (m + 1) * mb]
+                sync = m == cfg.microbatches - 1
+                with (nullcontext() if sync else self.ddp.no_sync()):
+                    with self.c.phase("forward"):
+                        if delay and m == 0:
+                            time.sleep(delay)  # a slow device: more time in the rank's own compute
+                        if first:
+                            inp = xm
+                        else:
+                            inp = torch.empty(mb, d_model, device=self.device)
+                            self._recv(inp, prev_peer)  # type: ignore[arg-type]
+                            inp.requires_grad_(True)
+                        out = self.ddp(inp)
+                        if not last:
+                            self._send(out.detach().contiguous(), next_peer)  # type: ignore[arg-type]
+                    with self.c.phase("backward"):
+                        if last:
+                            loss = torch.nn.functional.mse_loss(out, ym) / cfg.microbatches
+                            loss.backward()
+                            losses.append(loss.detach())
+                        else:
+                            grad = torch.empty_like(out)
+                            self._recv(grad, next_peer)  # type: ignore[arg-type]
+                            out.backward(grad)
+                        if not first:
+                            self._send(inp.grad.contiguous(), prev_peer)  # type: ignore[arg-type, union-attr]
+            with self.c.phase("optimizer"):
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            if self.faults:
+                for f in self.faults.bitflips(self.rank, step, FlipTarget.PARAM):
+                    with torch.no_grad():
+                        _flip_bit(list(self.stage.parameters())[f.param % len(list(self.stage.parameters()))], f.index, f.bit)
+            loss_value = float(sum(losses)) if losses else None
+            rec.loss = loss_value
+            rec.data_position = self.loader.position
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                self.checkpoint(step)  # inside the step: a checkpoint stall shows as a slow step, attributed
+        for h in handles:
+            h.remove()
+        return loss_value
+
+    def _grad_flip_hook(self, param_index: int, index: int, bit: int) -> Any:
+        params = list(self.stage.parameters())
+        p = params[param_index % len(params)]
+        fired = [False]
+
+        def flip(grad: torch.Tensor) -> torch.Tensor:
+            if fired[0]:
+                return grad
+            fired[0] = True
+            grad = grad.clone()
+            _flip_bit(grad, index, bit)
+            return grad
+
+        return p.register_hook(flip)
+
+    def fingerprint(self, step: int, *, force: bool = False) -> None:
+        self.c.maybe_fingerprint(
+            step, self.stage, self.optimizer, domain=self.groups.dp_info.name,
+            domain_ranks=self.groups.dp_info.ranks, data_position=self.loader.position, force=force,
+        )
+
+    def checkpoint(self, step: int) -> None:
+        state = {"model": self.stage.state_dict(), "optim": self.optimizer.state_dict()}
+        save_checkpoint(self.c, run_dir=self.cfg.run_dir, step=step, shard_key=f"pp{self.pp}.tp{self.tp}",
+                        state=state, rank=self.rank, group=self.groups.world)
+
+    def run(self) -> None:
+        ends: list[int] = []
+        thread_cpu: list[int] = []
+        process_cpu: list[int] = []
+        for step in range(self.cfg.steps):
+            self._step_start_faults(step)
+            self.train_step(step)
+            self.fingerprint(step, force=step == self.cfg.steps - 1)
+            ends.append(time.perf_counter_ns())
+            thread_cpu.append(time.thread_time_ns())
+            process_cpu.append(time.process_time_ns())
+        if self.cfg.record_step_times:
+            out = Path(self.cfg.run_dir) / STEP_TIMES_DIR
+            out.mkdir(parents=True, exist_ok=True)
+            doc = {"rank": self.rank, "step_end_ns": ends, "thread_cpu_ns": thread_cpu, "process_cpu_ns": process_cpu}
+            (out / f"rank-{self.rank}.json").write_text(json.dumps(doc))
+
+
+def run_rank(index: int, cfg: CanaryConfig, store_port: int) -> None:
+    """Entry point of one spawned rank (`torch.multiprocessing.start_processes`)."""
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {index}] %(levelname)s %(name)s: %(message)s")
+    r = _Rank(cfg, index, store_port)
+    try:
+        r.setup()
+        r.run()
+    except BaseException as exc:  # record, then die without tearing down a broken process group
+        c = getattr(r, "c", None)
+        if c is not None:
+            c.exception(exc)
+            c.close(exit_code=1)
+        print(f"rank {index}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr, flush=True)
+        os._exit(1)
+    r.c.close(exit_code=0)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    # gloo keeps background threads; leave without waiting on them
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os._exit(0)

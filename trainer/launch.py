@@ -1,0 +1,151 @@
+"""Launch N canary ranks as real processes and watch them.
+
+Ranks are spawned with ``torch.multiprocessing.start_processes(..., join=False)`` and joined by polling. When a
+rank fails, the survivors get `failure_grace_s` to fail on their own (so they record which collective broke
+under them); then the launcher sends SIGTERM (the collector records it and flushes) and, after `term_grace_s`,
+SIGKILL. A rendezvous TCPStore lives in the launcher, on a port the OS picks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rankwatch.trainer.canary import CanaryConfig, run_rank
+
+RUN_FILE = "run.json"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchResult:
+    run_dir: Path
+    exit_codes: tuple[int | None, ...]
+    """Per rank: 0 ok, >0 exit code, <0 killed by that signal, None never observed ending."""
+    pids: tuple[int, ...]
+    duration_s: float
+    terminated: tuple[int, ...]
+    """Ranks the launcher had to terminate."""
+
+    @property
+    def ok(self) -> bool:
+        return all(c == 0 for c in self.exit_codes)
+
+    @property
+    def failed_ranks(self) -> tuple[int, ...]:
+        return tuple(r for r, c in enumerate(self.exit_codes) if c != 0)
+
+
+def _record_launch(cfg: CanaryConfig) -> int:
+    """Append this launch to <run>/run.json; returns its attempt number."""
+    path = Path(cfg.run_dir) / RUN_FILE
+    doc: dict[str, Any] = {"launches": []}
+    if path.exists():
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: unreadable run file ({exc})") from None
+    attempt = len(doc.get("launches", []))
+    doc.setdefault("launches", []).append(
+        {
+            "attempt": attempt,
+            "started_wall_ns": time.time_ns(),
+            "world_size": cfg.world_size,
+            "layout": str(cfg.layout),
+            "hosts": cfg.hosts,
+            "seed": cfg.seed,
+            "steps": cfg.steps,
+            "faults": cfg.faults.specs(),
+            "checkpoint_every": cfg.checkpoint_every,
+            "threads": cfg.threads,
+            "collector": cfg.collector,
+        }
+    )
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    os.replace(tmp, path)
+    return attempt
+
+
+def launch(
+    cfg: CanaryConfig,
+    *,
+    failure_grace_s: float | None = None,
+    term_grace_s: float = 5.0,
+    timeout_s: float | None = None,
+    poll_s: float = 0.1,
+) -> LaunchResult:
+    """Run the canary on `cfg.world_size` ranks and wait for them.
+
+    `failure_grace_s` defaults to the process-group timeout plus 5 s; `timeout_s` bounds the whole run."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from dataclasses import replace
+
+    cfg = replace(cfg, attempt=_record_launch(cfg))
+    grace = cfg.pg_timeout_s + 5.0 if failure_grace_s is None else failure_grace_s
+    store = dist.TCPStore("127.0.0.1", 0, cfg.world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=max(30.0, cfg.pg_timeout_s)))
+    start = time.monotonic()
+    ctx = mp.start_processes(run_rank, args=(cfg, store.port), nprocs=cfg.world_size, join=False, start_method="spawn")
+    procs = ctx.processes
+    pids = tuple(p.pid for p in procs)
+    first_failure: float | None = None
+    terminated: list[int] = []
+    sent_term_at: float | None = None
+    try:
+        while True:
+            codes = [p.exitcode for p in procs]
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            if first_failure is None and any(c not in (None, 0) for c in codes):
+                first_failure = now
+            deadline_hit = timeout_s is not None and now - start > timeout_s
+            if sent_term_at is None and ((first_failure is not None and now - first_failure > grace) or deadline_hit):
+                for r, p in enumerate(procs):
+                    if p.exitcode is None:
+                        terminated.append(r)
+                        _signal(p.pid, signal.SIGTERM)
+                sent_term_at = now
+            if sent_term_at is not None and now - sent_term_at > term_grace_s:
+                for p in procs:
+                    if p.exitcode is None:
+                        _signal(p.pid, signal.SIGKILL)
+                for p in procs:
+                    p.join(5.0)
+                break
+            time.sleep(poll_s)
+    except BaseException:
+        for p in procs:
+            if p.exitcode is None:
+                _signal(p.pid, signal.SIGKILL)
+        raise
+    finally:
+        for p in procs:
+            p.join(1.0)
+        del store
+    return LaunchResult(
+        run_dir=run_dir,
+        exit_codes=tuple(p.exitcode for p in procs),
+        pids=pids,
+        duration_s=time.monotonic() - start,
+        terminated=tuple(terminated),
+    )
+
+
+def _signal(pid: int | None, sig: int) -> None:
+    if pid is None:
+        return
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,157 @@
+"""The canary's parallel layout: dp × tp × pp over N ranks on H (virtual) hosts, and its process groups.
+
+Rank order follows the usual mesh ["pp", "dp", "tp"] (tp fastest): rank = (pp * dp_size + dp) * tp_size + tp, and
+ranks fill hosts contiguously, so tensor-parallel groups stay inside a host and pipeline groups cross hosts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from rankwatch.collector.collectives import GroupInfo
+from rankwatch.collector.schema import GroupKind
+
+_LAYOUT_RE = re.compile(r"^(dp|tp|pp)=(\d+)$")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"layout {name}={getattr(self, name)}: every degree must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def parse(cls, text: str, *, nproc: int | None = None) -> Layout:
+        """Parse ``dp=2,tp=2,pp=2``; missing degrees are 1, and with `nproc` a missing dp takes the rest."""
+        values: dict[str, int] = {}
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            m = _LAYOUT_RE.match(item)
+            if not m or m.group(1) in values:
+                raise ValueError(f"bad layout {text!r}: expected comma-separated dp=N,tp=N,pp=N (each at most once)")
+            values[m.group(1)] = int(m.group(2))
+            if values[m.group(1)] < 1:
+                raise ValueError(f"bad layout {text!r}: {item}: every degree must be >= 1")
+        if nproc is not None and "dp" not in values:
+            rest = values.get("tp", 1) * values.get("pp", 1)
+            if nproc % rest:
+                raise ValueError(f"bad layout {text!r}: tp*pp={rest} does not divide --nproc {nproc}")
+            values["dp"] = nproc // rest
+        layout = cls(**values)
+        if nproc is not None and layout.world_size != nproc:
+            raise ValueError(
+                f"bad layout {text!r}: dp*tp*pp={layout.world_size} but --nproc is {nproc}; the product must equal it"
+            )
+        return layout
+
+    def __str__(self) -> str:
+        return f"dp={self.dp},tp={self.tp},pp={self.pp}"
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp, tp, pp) coordinates of a rank."""
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        return dp, tp, pp
+
+    def rank_of(self, *, dp: int, tp: int, pp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hosts:
+    """Virtual hosts: `count` labels over the world, ranks filling them contiguously."""
+
+    count: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.world_size % self.count:
+            raise ValueError(f"--hosts {self.count} must be >= 1 and divide the world size {self.world_size}")
+
+    @property
+    def per_host(self) -> int:
+        return self.world_size // self.count
+
+    @property
+    def names(self) -> list[str]:
+        return [f"host{i}" for i in range(self.count)]
+
+    def host_of(self, rank: int) -> str:
+        return f"host{rank // self.per_host}"
+
+    def local_rank(self, rank: int) -> int:
+        return rank % self.per_host
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankGroups:
+    """This rank's process groups (torch objects) with their telemetry descriptions."""
+
+    world: Any
+    dp: Any
+    tp: Any
+    pp: Any
+    infos: dict[str, GroupInfo]
+    dp_info: GroupInfo
+    tp_info: GroupInfo
+    pp_info: GroupInfo
+
+
+def build_groups(
+    layout: Layout, hosts: Hosts, rank: int, *, timeout: timedelta
+) -> tuple[RankGroups, list[tuple[Any, GroupInfo]]]:
+    """Create every dp, tp and pp group (all ranks must call this, in the same order).
+
+    `timeout` must be given: a new group does not inherit the world group's timeout (it defaults to 30 minutes).
+    Returns this rank's groups and the (group, info) pairs of the groups it belongs to."""
+    dp_c, tp_c, pp_c = layout.coords(rank)
+
+    def info(name: str, kind: GroupKind, ranks: list[int]) -> GroupInfo:
+        return GroupInfo(name=name, kind=kind, ranks=tuple(ranks), hosts=tuple(hosts.host_of(r) for r in ranks))
+
+    mine: dict[GroupKind, tuple[Any, GroupInfo]] = {}
+    world_info = info("world", GroupKind.WORLD, list(range(layout.world_size)))
+    mine[GroupKind.WORLD] = (dist.GroupMember.WORLD, world_info)
+    for pp in range(layout.pp):
+        for tp in range(layout.tp):
+            ranks = [layout.rank_of(dp=d, tp=tp, pp=pp) for d in range(layout.dp)]
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[GroupKind.DP] = (g, info(f"dp.pp{pp}.tp{tp}", GroupKind.DP, ranks))
+    for pp in range(layout.pp):
+        for dp in range(layout.dp):
+            ranks = [layout.rank_of(dp=dp, tp=t, pp=pp) for t in range(layout.tp)]
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[GroupKind.TP] = (g, info(f"tp.pp{pp}.dp{dp}", GroupKind.TP, ranks))
+    for dp in range(layout.dp):
+        for tp in range(layout.tp):
+            ranks = [layout.rank_of(dp=dp, tp=tp, pp=p) for p in range(layout.pp)]
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[GroupKind.PP] = (g, info(f"pp.dp{dp}.tp{tp}", GroupKind.PP, ranks))
+    groups = RankGroups(
+        world=mine[GroupKind.WORLD][0],
+        dp=mine[GroupKind.DP][0],
+        tp=mine[GroupKind.TP][0],
+        pp=mine[GroupKind.PP][0],
+        infos={i.name: i for _, i in mine.values()},
+        dp_info=mine[GroupKind.DP][1],
+        tp_info=mine[GroupKind.TP][1],
+        pp_info=mine[GroupKind.PP][1],
+    )
+    return groups, list(mine.values())
