@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/rankwatch demo
 
 test: $(STAMP)
+	$(PY) -m mypy collector trainer analytics cli.py
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -13,7 +13,7 @@ from rankwatch.trainer.faults import FAULT_HELP
 DEMO_RUN_DIR = Path("runs/demo")
 
 
-def _train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="run the canary job on N real ranks with the collector embedded")
     p.add_argument("--nproc", type=int, required=True, help="number of ranks")
     p.add_argument("--steps", type=int, required=True, help="training steps")

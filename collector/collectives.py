@@ -45,15 +45,23 @@ class GroupInfo:
         return tuple(sorted(p for p in pairs if p.split("<->")[0] != p.split("<->")[1]))
 
 
+@dataclass(kw_only=True, slots=True)
 class _Open:
-    __slots__ = (
-        "op", "group", "seq", "group_seq", "step", "peer", "nbytes", "dtype", "async_op",
-        "enter_wall", "enter_mono", "cuda_start", "cuda_end",
-    )
+    """A collective this rank entered and has not (yet) left."""
 
-    def __init__(self, **kw: Any) -> None:
-        for k, v in kw.items():
-            setattr(self, k, v)
+    op: str
+    group: GroupInfo
+    seq: int
+    group_seq: int
+    step: int
+    peer: int | None
+    nbytes: int
+    dtype: str
+    async_op: bool
+    enter_wall: int
+    enter_mono: int
+    cuda_start: Any = None
+    cuda_end: Any = None
 
 
 class StepCounters:
@@ -159,7 +167,7 @@ class CollectiveTracker:
         nbytes, dtype = _payload(tensor)
         o = _Open(
             op=op, group=info, seq=seq, group_seq=gseq, step=step, peer=peer, nbytes=nbytes, dtype=dtype,
-            async_op=async_op, enter_wall=time.time_ns(), enter_mono=time.monotonic_ns(), cuda_start=None, cuda_end=None,
+            async_op=async_op, enter_wall=time.time_ns(), enter_mono=time.monotonic_ns(),
         )
         if isinstance(tensor, torch.Tensor) and tensor.is_cuda and not async_op:
             o.cuda_start = torch.cuda.Event(enable_timing=True)
@@ -222,7 +230,7 @@ class CollectiveTracker:
             self._on_internal("collective.enter", exc)
             o = None
         try:
-            yield o.group if o is not None else None  # type: ignore[misc]
+            yield o.group if o is not None else None
         except BaseException as exc:
             if o is not None:
                 self._safe_exit(o, exc)
@@ -266,7 +274,9 @@ class CollectiveTracker:
                 if before is not None and o is not None:
                     before(o.group)
                 buf.div_(size)
-                fut = dist.all_reduce(buf, group=group, async_op=True).get_future()  # type: ignore[union-attr]
+                work = dist.all_reduce(buf, group=group, async_op=True)
+                assert work is not None
+                fut = work.get_future()
             except BaseException as exc:
                 if o is not None:
                     self._safe_exit(o, exc)

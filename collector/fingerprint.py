@@ -12,7 +12,7 @@ import pickle
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ def _update_tensor(h: Any, t: torch.Tensor) -> None:
     t = t.contiguous()
     h.update(f"{t.dtype}{tuple(t.shape)}".encode())
     if t.numel():
-        h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
+        h.update(t.view(-1).view(torch.uint8).numpy().data)
 
 
 def hash_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, int]:
@@ -88,7 +88,7 @@ def _digest(data: bytes) -> str:
 def rng_hashes() -> tuple[str, str, str, str | None]:
     """Hashes of the python, numpy, torch CPU and CUDA (None without CUDA) global RNG states."""
     py = _digest(pickle.dumps(random.getstate(), protocol=4))
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
     h = _new()
     _hash_value(h, [np_state[0], np_state[2], np_state[3], np_state[4]])
     h.update(np.asarray(np_state[1]).tobytes())

@@ -68,7 +68,9 @@ class NullCollector:
 
         def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
             buf = bucket.buffer().div_(size)
-            fut = dist.all_reduce(buf, group=group, async_op=True).get_future()  # type: ignore[union-attr]
+            work = dist.all_reduce(buf, group=group, async_op=True)
+            assert work is not None
+            fut = work.get_future()
             return fut.then(lambda f: f.value()[0])
 
         # DDP checks these annotations at registration; under postponed evaluation they would be strings

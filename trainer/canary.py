@@ -284,7 +284,7 @@ class _Rank:
                             self._recv(grad, next_peer)  # type: ignore[arg-type]
                             out.backward(grad)
                         if not first:
-                            self._send(inp.grad.contiguous(), prev_peer)  # type: ignore[arg-type, union-attr]
+                            self._send(inp.grad.contiguous(), prev_peer)  # type: ignore[arg-type]
             with self.c.phase("optimizer"):
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)

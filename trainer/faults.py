@@ -330,7 +330,7 @@ class Faults:
 
     # -- questions the trainer asks -------------------------------------------------------------------
     def _of(self, cls: type, rank: int) -> list[Any]:
-        return [f for f in self.faults if isinstance(f, cls) and f.rank == rank]
+        return [f for f in self.faults if isinstance(f, cls) and getattr(f, "rank", None) == rank]
 
     def compute_delay_s(self, rank: int, step: int) -> float:
         total = sum(f.delay_s for f in self._of(Slow, rank) if _active(step, f.from_step, f.until_step, f.period, f.burst))

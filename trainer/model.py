@@ -41,12 +41,12 @@ class _CopyToTP(torch.autograd.Function):
     """Identity forward, all-reduce of the gradient backward (the input of a column-parallel layer)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
         ctx.all_reduce = all_reduce
         return x
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
         ctx.all_reduce(grad)
         return grad, None
@@ -56,13 +56,13 @@ class _ReduceFromTP(torch.autograd.Function):
     """All-reduce forward, identity backward (the output of a row-parallel layer)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
         out = x.contiguous().clone()
         all_reduce(out)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -115,7 +115,8 @@ class Stage(nn.Module):
 
     def set_all_reduce(self, fn: AllReduce) -> None:
         for b in self.blocks:
-            b.all_reduce = fn  # type: ignore[union-attr]
+            assert isinstance(b, Block)
+            b.all_reduce = fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.inp is not None:

@@ -1,0 +1,111 @@
+"""Every injected fault leaves the trace it should, on the rank it should, in one 8-rank run
+(dp=2, tp=2, pp=2 over 2 virtual hosts; rank = (pp*2 + dp)*2 + tp, host0 = pp stage 0)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from rankwatch.collector.schema import ThrottleReason
+from rankwatch.trainer import Faults
+
+from support import canary, rows, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+FAULTS = (
+    Faults()
+    .slow(rank=5, from_step=20, delay_s=0.06)
+    .throttle(rank=2, from_step=30, delay_s=0.0)
+    .bitflip(rank=1, step=12, target="grad", bit=30)
+    .skew_rng(rank=3, step=20)
+    .skew_data(rank=6, step=25, offset=3)
+    .bitflip(rank=4, step=40, target="param", bit=20)
+    .slow_link(hosts=(0, 1), from_step=45, until_step=55, delay_s=0.06)
+)
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("faults") / "run"
+    result = run(canary(run_dir, layout="dp=2,tp=2,pp=2", hosts=2, steps=60, faults=FAULTS, fingerprint_every=5,
+                        flush_interval_s=0.5))
+    assert result.ok, result
+    return run_dir
+
+
+def _compute_ms(run_dir: Path, lo: int, hi: int) -> dict[int, float]:
+    return {
+        r: ms for r, ms in rows(
+            run_dir, f"SELECT rank, median(compute_ns)/1e6 FROM steps WHERE step >= {lo} AND step < {hi} GROUP BY rank"
+        )
+    }
+
+
+def test_slow_rank_spends_the_delay_in_its_own_compute(faulty: Path) -> None:
+    before, after = _compute_ms(faulty, 5, 20), _compute_ms(faulty, 20, 45)
+    assert after[5] - before[5] > 45
+    others = [after[r] - before[r] for r in range(8) if r != 5]
+    assert max(others) < 30  # peers wait for rank 5 in collectives, not in compute
+
+
+def test_throttled_gpu_reports_the_reason_on_its_device(faulty: Path) -> None:
+    got = rows(
+        faulty,
+        "SELECT rank, step >= 30 AS late, bool_or((throttle_reasons & 64) <> 0), avg(sm_clock_mhz) FROM gpu "
+        "WHERE step >= 0 GROUP BY ALL ORDER BY ALL",
+    )
+    throttled = {(r, late) for r, late, bit, _ in got if bit}
+    assert throttled == {(2, True)}
+    clocks = {(r, late): mhz for r, late, _, mhz in got}
+    assert clocks[(2, True)] < 0.8 * clocks[(0, True)]
+    assert int(ThrottleReason.HW_THERMAL_SLOWDOWN) == 64
+
+
+def test_gradient_bitflip_shows_only_in_the_local_pre_allreduce_norm(faulty: Path) -> None:
+    norms = dict(rows(faulty, "SELECT rank, local_grad_norm FROM steps WHERE step = 12"))
+    finite = dict(rows(faulty, "SELECT rank, all_finite FROM steps WHERE step = 12"))
+    typical = statistics.median(v for r, v in norms.items() if r != 1)
+    assert (not finite[1]) or norms[1] > 100 * typical
+    assert all(finite[r] for r in range(8) if r != 1)
+    # after the all-reduce the replicas of rank 1's shard (ranks 1 and 3) still agree: the corruption is averaged in
+    assert rows(faulty, "SELECT count(DISTINCT param_hash) FROM fingerprints WHERE step = 15 AND domain = 'dp.pp0.tp1'") == [(1,)]
+
+
+def test_rng_skew_splits_one_replica_pair(faulty: Path) -> None:
+    def distinct(step: int) -> int:
+        return rows(faulty, f"SELECT count(DISTINCT rng_torch_hash) FROM fingerprints WHERE step = {step} AND domain = 'dp.pp0.tp1'")[0][0]
+
+    assert distinct(15) == 1 and distinct(20) == 2 and distinct(35) == 2
+    assert rows(faulty, "SELECT count(DISTINCT rng_torch_hash) FROM fingerprints WHERE step = 35 AND domain = 'dp.pp0.tp0'") == [(1,)]
+
+
+def test_data_skew_moves_one_ranks_position(faulty: Path) -> None:
+    got = dict(rows(faulty, "SELECT rank, data_position FROM steps WHERE step = 30"))
+    assert got[6] == got[0] + 3 and len({v for r, v in got.items() if r != 6}) == 1
+    assert rows(faulty, "SELECT count(DISTINCT data_position) FROM steps WHERE step = 24") == [(1,)]
+
+
+def test_parameter_bitflip_splits_the_replicas_of_one_shard(faulty: Path) -> None:
+    def distinct(step: int) -> tuple[int, int]:
+        return rows(
+            faulty,
+            f"SELECT count(DISTINCT param_hash), count(DISTINCT rng_torch_hash) FROM fingerprints "
+            f"WHERE step = {step} AND domain = 'dp.pp1.tp0'",
+        )[0]
+
+    assert distinct(35) == (1, 1)
+    assert distinct(40) == (2, 1) and distinct(55) == (2, 1)
+
+
+def test_slow_link_slows_only_collectives_that_cross_it(faulty: Path) -> None:
+    got = rows(
+        faulty,
+        "SELECT \"group\" LIKE 'pp.%' AS crosses, step >= 45 AND step < 55 AS during, median(duration_ns)/1e6 "
+        "FROM collectives WHERE op = 'send' OR \"group\" LIKE 'tp.%' GROUP BY ALL",
+    )
+    ms = {(c, d): v for c, d, v in got}
+    assert ms[(True, True)] > 50 and ms[(True, False)] < 40
+    assert ms[(False, True)] < 40
