@@ -13,6 +13,7 @@ from rankwatch.collector.gpu import (
     ReplaySampler,
     open_sampler,
 )
+from rankwatch.collector.instrument import instrument_distributed
 from rankwatch.collector.null import NullCollector
 from rankwatch.collector.schema import SCHEMA_VERSION, Table
 from rankwatch.collector.sink import MemorySink, ParquetSink, Sink, SinkConfig
@@ -40,5 +41,6 @@ __all__ = [
     "StepRecord",
     "Table",
     "fingerprint",
+    "instrument_distributed",
     "open_sampler",
 ]

@@ -213,3 +213,44 @@ def test_sigterm_records_signal_and_flushes(tmp_path: Path) -> None:
     assert EventKind.SIGNAL in kinds and kinds[-1] == EventKind.EXIT
     assert [e["signal"] for e in events if e["kind"] == EventKind.SIGNAL] == [signal.SIGTERM]
     assert list((tmp_path / "telemetry" / "steps" / "rank=3").glob("part-*.parquet"))
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event: completes when told, records whether anyone synchronized."""
+
+    def __init__(self, done: bool, ms: float = 0.0) -> None:
+        self.done = done
+        self.ms = ms
+        self.synchronized = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+        self.done = True
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        return end.ms
+
+
+def test_cuda_rows_are_resolved_later_without_synchronizing(tmp_path: Path) -> None:
+    sink = MemorySink()
+    c = _collector(tmp_path, sink)
+    tracker = c.tracker
+    with c.step(0):
+        o1 = tracker.enter("all_reduce", GROUP, torch.zeros(2))
+        o2 = tracker.enter("all_reduce", GROUP, torch.zeros(2))
+    done, pending = _FakeEvent(True, 1.5), _FakeEvent(False, 2.0)
+    for o, end in ((o1, done), (o2, pending)):
+        o.cuda_start = _FakeEvent(True)
+        row = tracker._row(o, 1, 1, 1, None, CollectiveStatus.OK, None)
+        o.cuda_end = end
+        tracker._pending_cuda.append((o, row))
+    tracker.resolve_cuda()
+    idx = column_names(Table.COLLECTIVES).index(Collectives.DEVICE_DURATION_NS)
+    assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000]
+    assert not pending.synchronized and len(tracker._pending_cuda) == 1
+    tracker.resolve_cuda(wait=True)  # at close: wait for the rest
+    assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000, 2_000_000]
+    assert pending.synchronized

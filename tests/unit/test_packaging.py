@@ -53,7 +53,7 @@ EXPORTS = {
         "SCHEMA_VERSION", "CheckpointPhaseRecord", "CollectiveTracker", "Collector", "CollectorConfig", "DeviceInfo",
         "Fingerprint", "GpuMonitor", "GpuSample", "GpuSampler", "GpuUnavailable", "GroupInfo", "MemorySink",
         "NullCollector", "NvmlSampler", "ParquetSink", "ReplaySampler", "Sink", "SinkConfig", "StepRecord", "Table",
-        "fingerprint", "open_sampler",
+        "fingerprint", "instrument_distributed", "open_sampler",
     },
     "rankwatch.analytics": {"AnalyticsError", "RunDirError", "SchemaVersionError", "TableSummary", "connect", "table_summaries"},
     "rankwatch.trainer": {"CanaryConfig", "Faults", "Hosts", "LaunchResult", "Layout", "ModelConfig", "launch", "parse_fault"},
