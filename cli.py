@@ -26,7 +26,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu", default="auto", help="GPU sampler: auto | nvml | replay | off")
     p.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, seconds")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (part of the numerics)")
-    p.add_argument("--fingerprint-every", type=int, default=10)
+    p.add_argument("--fingerprint-every", type=int, default=50, help="fingerprint the training state every N steps")
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--no-collector", action="store_true", help="train without telemetry (overhead baseline)")
     p.add_argument("--timeout", type=float, default=None, help="terminate the job after this many seconds")

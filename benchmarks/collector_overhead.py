@@ -7,16 +7,17 @@ The job is the canary on CanaryConfig defaults, 1 host, gloo on CPU. ON = collec
 (so GPU sampling costs what it would with NVML present); OFF = ``collector=False`` (the no-op NullCollector).
 
 Step time, ON vs OFF
-    Both arms are timed by the same clock outside the collector: with ``record_step_times`` every rank writes the
-    perf_counter time at the end of each step (`trainer/canary.py`), whether the collector is on or off. Per launch,
-    step time = median over steps W..S-1 of the per-step interval on the slowest rank (ranks run in lockstep;
-    the median shrugs off the odd step stalled by another process on this shared machine). Launches alternate
-    ON/OFF and the order flips every repeat (ON,OFF then OFF,ON, ...), so drift hits both arms alike.
-    Overhead per repeat = (ON - OFF) / OFF; the report gives the median over repeats and the per-repeat
-    spread. As a cross-check, the ON runs' own steps table (the collector's view of the same steps) is shown.
-    The noise on the overhead is taken as half the per-repeat spread (or the size of a negative overhead — the
-    collector cannot speed training up). FAIL when overhead - noise is over the target; PASS only when
-    overhead + noise is within it; INCONCLUSIVE otherwise.
+    The two arms run AT THE SAME TIME, one ON job and one OFF job sharing the machine, so whatever else the
+    shared machine does lands on both alike (run one after the other, the arms differed by ±5–10 % from run to
+    run here, far more than the target). Sharing is symmetric: the scheduler gives each rank process a fair
+    share of the cores, so a job that needs more CPU per step runs slower by about that fraction — the
+    collector's cost is what separates the arms. Both are timed by the same clock outside the collector: with
+    ``record_step_times`` every rank writes the perf_counter time, and its training thread's and process's CPU
+    time, at the end of each step (`trainer/canary.py`), collector on or off. Per job, step time = median over
+    steps W..S-1 of the per-step interval on the slowest rank. Overhead per repeat = (ON - OFF) / OFF; the
+    report gives the median over repeats and the spread. As a cross-check, the ON runs' own steps table (the
+    collector's view of the same steps) is shown. Noise = half the per-repeat spread (or the size of a
+    negative overhead: the collector cannot speed training up).
 
 Recording cost per collective
     In process, no torch.distributed: a process-group sentinel (a plain ``object()``) is registered with a
@@ -38,11 +39,13 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 # Nothing heavy at module level: ranks are spawned, and spawn re-imports this script in every rank.
 
@@ -137,11 +140,6 @@ class Report:
 # ------------------------------------------------------------------------------------------- launches
 
 
-def _schedule(repeat: int) -> tuple[str, str]:
-    """Arm order of one repeat: ON,OFF then OFF,ON, alternating."""
-    return (ON, OFF) if repeat % 2 == 0 else (OFF, ON)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ArmTiming:
     wall_ms: float
@@ -152,15 +150,12 @@ class ArmTiming:
     """CPU time of the whole rank process per step (background writer, heartbeat, GPU threads included), ms."""
 
 
-def _launch(args: argparse.Namespace, root: Path, repeat: int, arm: str) -> tuple[LaunchTiming, ArmTiming]:
-    """Run one arm; returns its timing and the steady-state figures from the trainer's own clocks."""
-    from rankwatch.trainer.canary import STEP_TIMES_DIR, CanaryConfig
-    from rankwatch.trainer.launch import launch
+def _config(args: argparse.Namespace, root: Path, repeat: int, arm: str) -> Any:
+    from rankwatch.trainer.canary import CanaryConfig
     from rankwatch.trainer.parallel import Layout
 
-    run_dir = root / f"r{repeat}-{arm.lower()}"
-    cfg = CanaryConfig(
-        run_dir=run_dir,
+    return CanaryConfig(
+        run_dir=root / f"r{repeat}-{arm.lower()}",
         steps=args.steps,
         layout=Layout.parse(args.layout, nproc=args.nproc),
         hosts=1,
@@ -168,22 +163,49 @@ def _launch(args: argparse.Namespace, root: Path, repeat: int, arm: str) -> tupl
         collector=arm == ON,
         record_step_times=True,
     )
-    result = launch(cfg, timeout_s=120.0 + 2.0 * args.steps)
-    if not result.ok:
-        codes = ", ".join(f"{r}:{c}" for r, c in enumerate(result.exit_codes))
-        raise SystemExit(f"collector_overhead: {arm} launch in {run_dir} failed (exit codes {codes})")
-    docs = [json.loads(p.read_text()) for p in sorted((run_dir / STEP_TIMES_DIR).glob("rank-*.json"))]
-    slowest = [max(d["step_end_ns"][i] for d in docs) for i in range(args.steps)]
-    intervals = [(slowest[i] - slowest[i - 1]) / 1e6 for i in range(args.warmup, args.steps)]
+
+
+def _launch_pair(args: argparse.Namespace, root: Path, repeat: int) -> dict[str, tuple[LaunchTiming, ArmTiming]]:
+    """Run the ON and the OFF job at the same time; returns each arm's timing and steady-state figures."""
+    from rankwatch.trainer.canary import STEP_TIMES_DIR
+    from rankwatch.trainer.launch import LaunchResult, launch
+
+    cfgs = {arm: _config(args, root, repeat, arm) for arm in (ON, OFF)}
+    results: dict[str, LaunchResult] = {}
+    errors: list[BaseException] = []
+
+    def go(arm: str) -> None:
+        try:
+            results[arm] = launch(cfgs[arm], timeout_s=120.0 + 4.0 * args.steps)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(arm,)) for arm in (ON, OFF)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    out: dict[str, tuple[LaunchTiming, ArmTiming]] = {}
     span = args.steps - args.warmup
+    for arm, result in results.items():
+        run_dir = cfgs[arm].run_dir
+        if not result.ok:
+            codes = ", ".join(f"{r}:{c}" for r, c in enumerate(result.exit_codes))
+            raise SystemExit(f"collector_overhead: {arm} launch in {run_dir} failed (exit codes {codes})")
+        docs = [json.loads(p.read_text()) for p in sorted((run_dir / STEP_TIMES_DIR).glob("rank-*.json"))]
+        slowest = [max(d["step_end_ns"][i] for d in docs) for i in range(args.steps)]
+        intervals = [(slowest[i] - slowest[i - 1]) / 1e6 for i in range(args.warmup, args.steps)]
 
-    def cpu(key: str) -> float:
-        return statistics.mean((d[key][-1] - d[key][args.warmup - 1]) / span / 1e6 for d in docs)
+        def cpu(key: str) -> float:
+            return statistics.mean((d[key][-1] - d[key][args.warmup - 1]) / span / 1e6 for d in docs)
 
-    timing = LaunchTiming(repeat=repeat, arm=arm, steps=args.steps, duration_s=result.duration_s, run_dir=str(run_dir))
-    return timing, ArmTiming(
-        wall_ms=statistics.median(intervals), thread_cpu_ms=cpu("thread_cpu_ns"), process_cpu_ms=cpu("process_cpu_ns")
-    )
+        timing = LaunchTiming(repeat=repeat, arm=arm, steps=args.steps, duration_s=result.duration_s, run_dir=str(run_dir))
+        out[arm] = timing, ArmTiming(
+            wall_ms=statistics.median(intervals), thread_cpu_ms=cpu("thread_cpu_ns"), process_cpu_ms=cpu("process_cpu_ns")
+        )
+    return out
 
 
 def _self_timed_ms(run_dir: Path, *, warmup: int, steps: int) -> float | None:
@@ -229,8 +251,7 @@ def _run_repeats(args: argparse.Namespace, root: Path) -> tuple[list[LaunchTimin
     results: list[RepeatResult] = []
     for r in range(args.repeats):
         arms: dict[str, ArmTiming] = {}
-        for arm in _schedule(r):
-            t, a = _launch(args, root, r, arm)
+        for arm, (t, a) in _launch_pair(args, root, r).items():
             arms[arm] = a
             timings.append(t)
             print(f"  repeat {r}: {arm:<3} {a.wall_ms:7.2f} ms/step wall, {a.thread_cpu_ms:6.2f} ms training-thread CPU, "
@@ -243,7 +264,7 @@ def _run_repeats(args: argparse.Namespace, root: Path) -> tuple[list[LaunchTimin
         results.append(
             RepeatResult(
                 repeat=r,
-                order=",".join(_schedule(r)),
+                order="together",
                 on_ms=per_step[ON],
                 off_ms=per_step[OFF],
                 overhead_pct=(per_step[ON] - per_step[OFF]) / per_step[OFF] * 100,
@@ -368,7 +389,7 @@ def _synthetic_step_us(*, collectives: int, phases: int, steps: int, layout: str
     for p in stage.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
-    grads = torch.cat([p.grad.view(-1) for p in stage.parameters()])  # type: ignore[union-attr]
+    grads = torch.cat([p.grad.view(-1) for p in stage.parameters()])
     group = object()
     info = GroupInfo(name="tp.pp0.dp0", kind=GroupKind.TP, ranks=(0, 1), hosts=("host0", "host0"))
     tensor = torch.zeros(1024)

@@ -9,10 +9,10 @@ where every rank was stuck. On CUDA, device time comes from CUDA events resolved
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,13 +91,47 @@ class StepCounters:
         return max(0, hi - lo - overlap)
 
 
+class _Timed:
+    """Context manager of `CollectiveTracker.timed` (a class, not a generator: it is on the hot path)."""
+
+    __slots__ = ("_tracker", "_args", "_open")
+
+    def __init__(self, tracker: CollectiveTracker, op: str, group: Any, tensor: Any, peer: int | None) -> None:
+        self._tracker = tracker
+        self._args = (op, group, tensor, peer)
+
+    def __enter__(self) -> GroupInfo | None:
+        op, group, tensor, peer = self._args
+        try:
+            self._open: _Open | None = self._tracker.enter(op, group, tensor, peer=peer)
+        except Exception as exc:
+            self._tracker._on_internal("collective.enter", exc)
+            self._open = None
+        return self._open.group if self._open is not None else None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self._open is not None:
+            self._tracker._safe_exit(self._open, exc)
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_OK, _ERROR, _IN_FLIGHT = str(CollectiveStatus.OK), str(CollectiveStatus.ERROR), str(CollectiveStatus.IN_FLIGHT)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 def _payload(tensor: torch.Tensor | list[torch.Tensor] | None) -> tuple[int, str]:
     if tensor is None:
         return 0, ""
     if isinstance(tensor, torch.Tensor):
-        return tensor.numel() * tensor.element_size(), str(tensor.dtype).removeprefix("torch.")
+        return tensor.numel() * tensor.element_size(), _dtype_name(tensor.dtype)
     nbytes = sum(t.numel() * t.element_size() for t in tensor)
-    return nbytes, (str(tensor[0].dtype).removeprefix("torch.") if tensor else "")
+    return nbytes, (_dtype_name(tensor[0].dtype) if tensor else "")
 
 
 class CollectiveTracker:
@@ -120,7 +154,7 @@ class CollectiveTracker:
         self._on_internal = on_internal
         self._inflight_after_ns = int(inflight_after_s * 1e9)
         self._groups: dict[int, GroupInfo] = {}
-        self._group_seq: dict[str, int] = {}
+        self._group_seq: dict[str, itertools.count[int]] = {}
         self._open: dict[tuple[str, int], _Open] = {}
         self._pending_cuda: list[tuple[_Open, Row]] = []
         self._lock = threading.Lock()
@@ -154,9 +188,11 @@ class CollectiveTracker:
         async_op: bool = False,
     ) -> _Open:
         info = self.info(group)
-        with self._lock:
-            gseq = self._group_seq.get(info.name, 0)
-            self._group_seq[info.name] = gseq + 1
+        seqs = self._group_seq.get(info.name)
+        if seqs is None:
+            with self._lock:
+                seqs = self._group_seq.setdefault(info.name, itertools.count())
+        gseq = next(seqs)  # atomic under the GIL: collectives may be issued from autograd or comm threads
         counters = self._counters()
         if counters is not None:
             seq = counters.seq
@@ -189,7 +225,7 @@ class CollectiveTracker:
             else:
                 counters.blocked_ns += duration
                 counters.blocked.append((o.enter_mono, exit_mono))
-        status = CollectiveStatus.OK if error is None else CollectiveStatus.ERROR
+        status = _OK if error is None else _ERROR
         err = None if error is None else f"{type(error).__name__}: {error}"[:500]
         row = self._row(o, exit_wall, exit_mono, duration, None, status, err)
         if error is not None:
@@ -204,15 +240,14 @@ class CollectiveTracker:
 
     def _row(
         self, o: _Open, exit_wall: int | None, exit_mono: int | None, duration: int | None,
-        device_ns: int | None, status: CollectiveStatus, error: str | None,
+        device_ns: int | None, status: str, error: str | None,
     ) -> Row:
         return (
-            self._rank, o.step, o.seq, o.group_seq, o.op, o.group.name, list(o.group.ranks), o.peer, o.nbytes,
+            self._rank, o.step, o.seq, o.group_seq, o.op, o.group.name, o.group.ranks, o.peer, o.nbytes,
             o.dtype, o.async_op, o.enter_wall, o.enter_mono, exit_wall, exit_mono, duration, device_ns,
-            str(status), error,
+            status, error,
         )
 
-    @contextmanager
     def timed(
         self,
         op: str,
@@ -220,23 +255,11 @@ class CollectiveTracker:
         tensor: torch.Tensor | list[torch.Tensor] | None = None,
         *,
         peer: int | None = None,
-    ) -> Iterator[GroupInfo | None]:
+    ) -> _Timed:
         """Time a blocking collective issued in the body: ``with tracker.timed("all_reduce", g, t): ...``.
 
         The body's exceptions pass through; the tracker's own never reach it."""
-        try:
-            o: _Open | None = self.enter(op, group, tensor, peer=peer)
-        except Exception as exc:
-            self._on_internal("collective.enter", exc)
-            o = None
-        try:
-            yield o.group if o is not None else None
-        except BaseException as exc:
-            if o is not None:
-                self._safe_exit(o, exc)
-            raise
-        if o is not None:
-            self._safe_exit(o)
+        return _Timed(self, op, group, tensor, peer)
 
     def _safe_exit(self, o: _Open, error: BaseException | None = None) -> None:
         try:
@@ -304,7 +327,7 @@ class CollectiveTracker:
         now = time.monotonic_ns()
         for o in list(self._open.values()):
             if now - o.enter_mono >= self._inflight_after_ns:
-                yield Table.COLLECTIVES, self._row(o, None, None, None, None, CollectiveStatus.IN_FLIGHT, None)
+                yield Table.COLLECTIVES, self._row(o, None, None, None, None, _IN_FLIGHT, None)
 
     def oldest_open(self) -> _Open | None:
         opened = list(self._open.values())

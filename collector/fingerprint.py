@@ -70,12 +70,16 @@ def _hash_value(h: Any, value: object) -> None:
 
 
 def hash_optimizer(optimizer: torch.optim.Optimizer | None) -> str:
-    """Hash optimizer state (per-parameter tensors and step counts) and hyper-parameters."""
+    """Hash optimizer state (per-parameter tensors and step counts, in parameter order) and hyper-parameters.
+
+    Reads `optimizer.state` directly: `state_dict()` would rebuild the whole structure on every call."""
     h = _new()
     if optimizer is not None:
-        sd = optimizer.state_dict()
-        _hash_value(h, sd["state"])
-        _hash_value(h, [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]])
+        for index, group in enumerate(optimizer.param_groups):
+            _hash_value(h, {k: v for k, v in group.items() if k != "params"})
+            for position, p in enumerate(group["params"]):
+                h.update(f"{index}.{position}".encode())
+                _hash_value(h, optimizer.state.get(p, {}))
     return h.hexdigest()
 
 

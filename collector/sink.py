@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import threading
+from collections import deque
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
@@ -41,7 +42,7 @@ _PART_RE = re.compile(r"^part-(\d+)\.parquet$")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SinkConfig:
-    flush_interval_s: float = 2.0
+    flush_interval_s: float = 5.0
     """Seconds between background writes; also bounds how much a SIGKILL can lose."""
     max_buffered_rows: int = 100_000
     """Per-table buffer bound for evidence tables; rows beyond it are dropped and counted."""
@@ -159,7 +160,9 @@ class ParquetSink(Sink):
         self._run_dir = Path(run_dir)
         self._rank = rank
         self._config = config or SinkConfig()
-        self._buffers: dict[Table, list[Row]] = {t: [] for t in Table}
+        # deques: append and popleft are atomic under the GIL, so the hot path takes no lock; the writer drains
+        # the same deque object rather than swapping it (an appender may hold a reference to it)
+        self._buffers: dict[Table, deque[Row]] = {t: deque() for t in Table}
         self._caps = {t: self._config.capacity(t) for t in Table}
         self._dropped: dict[Table, int] = {t: 0 for t in Table}
         self._next_part: dict[Table, int] = {}
@@ -178,14 +181,14 @@ class ParquetSink(Sink):
 
     # -- training-thread side -------------------------------------------------------------------------
     def append(self, table: Table, row: Row) -> None:
-        with self._lock:
-            buf = self._buffers[table]
-            if self._closed or len(buf) >= self._caps[table]:
+        buf = self._buffers[table]
+        if self._closed or len(buf) >= self._caps[table]:
+            with self._lock:
                 self._dropped[table] += 1
-                return
-            buf.append(row)
-            if len(buf) == self._config.rows_per_part:
-                self._wake.set()
+            return
+        buf.append(row)
+        if len(buf) == self._config.rows_per_part:
+            self._wake.set()
 
     def set_snapshot(self, fn: SnapshotFn | None) -> None:
         self._snapshot = fn
@@ -196,8 +199,7 @@ class ParquetSink(Sink):
             return dict(self._dropped)
 
     def buffered_rows(self) -> int:
-        with self._lock:
-            return sum(len(b) for b in self._buffers.values())
+        return sum(len(b) for b in self._buffers.values())
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -230,15 +232,14 @@ class ParquetSink(Sink):
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        with self._lock:
-            self._closed = True  # from here on appends are counted as dropped
+        self._closed = True  # from here on appends are counted as dropped
         if self._thread is None or not self._thread.is_alive():
             self._write_once()  # rows appended while the writer was stopping
         else:
             with self._lock:  # the writer is stuck: what it will never write is lost, and counted
                 for table, buf in self._buffers.items():
                     self._dropped[table] += len(buf)
-                    self._buffers[table] = []
+                    buf.clear()
         if not ok:
             log.warning("rankwatch sink rank %d: final flush did not finish within %ss", self._rank, timeout_s)
 
@@ -255,10 +256,11 @@ class ParquetSink(Sink):
                 self._done.notify_all()
 
     def _write_once(self) -> None:
-        with self._lock:
-            batches = {t: b for t, b in self._buffers.items() if b}
-            for t in batches:
-                self._buffers[t] = []
+        batches: dict[Table, list[Row]] = {}
+        for t, buf in self._buffers.items():
+            n = len(buf)
+            if n:
+                batches[t] = [buf.popleft() for _ in range(n)]
         if self._snapshot is not None:
             try:
                 for table, row in self._snapshot():
@@ -274,12 +276,12 @@ class ParquetSink(Sink):
 
     def _requeue(self, table: Table, rows: list[Row]) -> None:
         """Put rows that failed to write back in front of the buffer, as far as the bound allows."""
+        buf = self._buffers[table]
+        room = max(0, self._caps[table] - len(buf))
+        keep = rows[-room:] if room else []
         with self._lock:
-            buf = self._buffers[table]
-            room = max(0, self._caps[table] - len(buf))
-            keep = rows[-room:] if room else []
             self._dropped[table] += len(rows) - len(keep)
-            self._buffers[table] = keep + buf
+        buf.extendleft(reversed(keep))
 
     def _count_error(self, what: str) -> None:
         self.write_errors += 1
