@@ -129,7 +129,7 @@ def _payload(tensor: torch.Tensor | list[torch.Tensor] | None) -> tuple[int, str
     if tensor is None:
         return 0, ""
     if isinstance(tensor, torch.Tensor):
-        return tensor.numel() * tensor.element_size(), _dtype_name(tensor.dtype)
+        return tensor.nbytes, _dtype_name(tensor.dtype)
     nbytes = sum(t.numel() * t.element_size() for t in tensor)
     return nbytes, (_dtype_name(tensor[0].dtype) if tensor else "")
 
@@ -157,6 +157,7 @@ class CollectiveTracker:
         self._group_seq: dict[str, itertools.count[int]] = {}
         self._open: dict[tuple[str, int], _Open] = {}
         self._pending_cuda: list[tuple[_Open, Row]] = []
+        self._cuda = torch.cuda.is_available()  # no CUDA: skip the per-collective device checks
         self._lock = threading.Lock()
         self.recorded = 0
 
@@ -187,7 +188,7 @@ class CollectiveTracker:
         peer: int | None = None,
         async_op: bool = False,
     ) -> _Open:
-        info = self.info(group)
+        info = self._groups.get(id(group) if group is not None else 0) or self.info(group)
         seqs = self._group_seq.get(info.name)
         if seqs is None:
             with self._lock:
@@ -205,7 +206,7 @@ class CollectiveTracker:
             op=op, group=info, seq=seq, group_seq=gseq, step=step, peer=peer, nbytes=nbytes, dtype=dtype,
             async_op=async_op, enter_wall=time.time_ns(), enter_mono=time.monotonic_ns(),
         )
-        if isinstance(tensor, torch.Tensor) and tensor.is_cuda and not async_op:
+        if self._cuda and not async_op and isinstance(tensor, torch.Tensor) and tensor.is_cuda:
             o.cuda_start = torch.cuda.Event(enable_timing=True)
             o.cuda_start.record()
         if counters is not None and async_op:
