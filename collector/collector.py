@@ -145,6 +145,18 @@ class _Phase:
         )
 
 
+def _process_numa_node() -> int | None:
+    """NUMA node of the first CPU this process may run on (Linux sysfs); None where that is unknown."""
+    try:
+        cpu = min(os.sched_getaffinity(0))
+        for entry in Path(f"/sys/devices/system/cpu/cpu{cpu}").iterdir():
+            if entry.name.startswith("node") and entry.name[4:].isdigit():
+                return int(entry.name[4:])
+    except (OSError, AttributeError, ValueError):
+        pass
+    return None
+
+
 def _safe(method: Callable[P, R]) -> Callable[P, R | None]:
     """Count and swallow internal errors: the collector never raises into training."""
 
@@ -298,6 +310,8 @@ class Collector:
                 device_index = device.index if device_index is None else device_index
                 device_uuid, pci_bus_id = device.uuid, device.pci_bus_id
                 numa_node = device.numa_node if numa_node is None else numa_node
+        if numa_node is None and device_uuid is None:
+            numa_node = _process_numa_node()
         groups = [
             {"name": g.name, "kind": str(g.kind), "ranks": list(g.ranks), "hosts": list(g.hosts), "links": list(g.links)}
             for g in self.tracker.groups()

@@ -254,3 +254,19 @@ def test_cuda_rows_are_resolved_later_without_synchronizing(tmp_path: Path) -> N
     tracker.resolve_cuda(wait=True)  # at close: wait for the rest
     assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000, 2_000_000]
     assert pending.synchronized
+
+
+def test_topology_row_without_gpu_has_pid_host_and_process_numa_node(tmp_path: Path) -> None:
+    from rankwatch.collector.collector import _process_numa_node
+    from rankwatch.collector.schema import Topology
+
+    sink = MemorySink()
+    c = _collector(tmp_path, sink)
+    c.record_topology(dp=1, tp=0, pp=0, dp_size=2)
+    (row,) = sink.rows(Table.TOPOLOGY)
+    get = dict(zip(column_names(Table.TOPOLOGY), row))
+    assert get[Topology.PID] == os.getpid() and get[Topology.HOST] == "host0"
+    assert get[Topology.NUMA_NODE] == _process_numa_node()
+    assert get[Topology.DEVICE_UUID] is None
+    (group,) = get[Topology.GROUPS]
+    assert group["name"] == INFO.name and group["links"] == ["host0<->host1"]
