@@ -393,7 +393,6 @@ def _synthetic_step_us(*, collectives: int, phases: int, steps: int, layout: str
     group = object()
     info = GroupInfo(name="tp.pp0.dp0", kind=GroupKind.TP, ranks=(0, 1), hosts=("host0", "host0"))
     tensor = torch.zeros(1024)
-    every = CollectorConfig(run_dir=Path(".")).fingerprint_every
     names = ["data", "forward", "backward", "optimizer"]
 
     def run(c: object, n: int) -> float:
@@ -427,38 +426,34 @@ def _synthetic_step_us(*, collectives: int, phases: int, steps: int, layout: str
                 on.flush(timeout_s=30.0)
         finally:
             on.close(exit_code=0)
-    del every
     return statistics.median(on_us[1:]), statistics.median(off_us[1:])
 
 
 # ----------------------------------------------------------------------------------------- reporting
 
 
-def _noise_pct(overhead: float, low: float, high: float, method_error: float | None) -> float | None:
-    """Half-width of the overhead's noise band, percentage points; None when nothing estimates it.
+def _noise_pct(overhead: float, low: float, high: float) -> float | None:
+    """Half-width of the overhead's noise band, percentage points; None with a single repeat.
 
-    The largest of: half the per-repeat spread; twice the method error (each arm's figure can be off by that
-    much); and, for a negative overhead, its size — the collector cannot speed training up, so that is noise."""
-    parts = [(high - low) / 2 if high > low else 0.0, max(0.0, -overhead)]
-    if method_error is not None:
-        parts.append(2 * method_error)
-    elif high == low:
+    The larger of half the per-repeat spread and, for a negative overhead, its size — the collector cannot
+    speed training up, so that is noise."""
+    if high == low:
         return None
-    return max(parts)
+    return max((high - low) / 2, max(0.0, -overhead))
 
 
 def _verdict(overhead: float, noise: float | None, bottom_up_pct: float) -> str:
-    """PASS when the bottom-up collector work is within the target and the end-to-end overhead is consistent with
-    it (within its noise band, or itself within the target); FAIL when either is clearly over; else INCONCLUSIVE."""
+    """Judged on the end-to-end figure alone: the warm bottom-up figure is shown for scale but understates the
+    cost inside a busy job several times over (see benchmarks/collector_insitu.py).
+    PASS when the whole noise band is within the target, FAIL when all of it is over, INCONCLUSIVE otherwise."""
     band = "no noise estimate (use --repeats >= 2)" if noise is None else f"± {noise:.2f} % noise"
-    figures = f"bottom-up {bottom_up_pct:.2f} %, end-to-end {overhead:+.2f} % {band}"
-    if bottom_up_pct > TARGET_PCT or (noise is not None and overhead - noise > TARGET_PCT):
+    figures = f"end-to-end {overhead:+.2f} % {band} (warm bottom-up {bottom_up_pct:.2f} %)"
+    if noise is None:
+        return f"INCONCLUSIVE: {figures}; target ≤ {TARGET_PCT:g} %"
+    if overhead - noise > TARGET_PCT:
         return f"FAIL: {figures}; target ≤ {TARGET_PCT:g} %"
-    if noise is not None and overhead + noise <= TARGET_PCT:
+    if overhead + noise <= TARGET_PCT:
         return f"PASS: {figures}; target ≤ {TARGET_PCT:g} %"
-    if noise is not None and overhead - noise <= TARGET_PCT:
-        return (f"PASS on the bottom-up figure: {figures}; the end-to-end figure is consistent with it but its noise "
-                f"on this shared machine is wider than the ≤ {TARGET_PCT:g} % target")
     return f"INCONCLUSIVE: {figures}; target ≤ {TARGET_PCT:g} %"
 
 
@@ -561,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     selfs = [r.on_self_ms for r in results if r.on_self_ms is not None]
     errors = [abs(r.on_ms - r.on_self_ms) / r.on_self_ms * 100 for r in results if r.on_self_ms]
     method_error = statistics.median(errors) if errors else None
-    noise = _noise_pct(overhead, low, high, None)
+    noise = _noise_pct(overhead, low, high)
     per_rank_step = [r.telemetry_bytes / (args.nproc * args.steps) for r in results]
     coll = statistics.median(r.collectives_per_rank_step for r in results)
     step_ms = statistics.median(selfs) if selfs else off

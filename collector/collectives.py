@@ -159,7 +159,6 @@ class CollectiveTracker:
         self._pending_cuda: list[tuple[_Open, Row]] = []
         self._cuda = torch.cuda.is_available()  # no CUDA: skip the per-collective device checks
         self._lock = threading.Lock()
-        self.recorded = 0
 
     # -- groups ---------------------------------------------------------------------------------------
     def register_group(self, group: Any, info: GroupInfo) -> None:
@@ -237,7 +236,6 @@ class CollectiveTracker:
             self._pending_cuda.append((o, row))
             return
         self._append(Table.COLLECTIVES, row)
-        self.recorded += 1
 
     def _row(
         self, o: _Open, exit_wall: int | None, exit_mono: int | None, duration: int | None,
@@ -344,7 +342,6 @@ class CollectiveTracker:
                 device_ns = int(o.cuda_start.elapsed_time(o.cuda_end) * 1e6)
                 idx = column_names(Table.COLLECTIVES).index(Collectives.DEVICE_DURATION_NS)
                 self._append(Table.COLLECTIVES, row[:idx] + (device_ns,) + row[idx + 1 :])
-                self.recorded += 1
             else:
                 still.append((o, row))
         self._pending_cuda = still

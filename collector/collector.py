@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, ParamSpec, TypeVar
@@ -106,17 +106,6 @@ class StepRecord:
 @dataclass(kw_only=True, slots=True)
 class CheckpointPhaseRecord:
     bytes: int | None = None
-
-
-@dataclass(kw_only=True, slots=True)
-class _Placement:
-    dp: int = 0
-    tp: int = 0
-    pp: int = 0
-    dp_size: int = 1
-    tp_size: int = 1
-    pp_size: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _Phase:

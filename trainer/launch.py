@@ -12,7 +12,7 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -88,8 +88,6 @@ def launch(
     `failure_grace_s` defaults to the process-group timeout plus 5 s; `timeout_s` bounds the whole run."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    from dataclasses import replace
-
     cfg = replace(cfg, attempt=_record_launch(cfg))
     grace = cfg.pg_timeout_s + 5.0 if failure_grace_s is None else failure_grace_s
     store = dist.TCPStore("127.0.0.1", 0, cfg.world_size, is_master=True, wait_for_workers=False,

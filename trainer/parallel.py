@@ -111,6 +111,23 @@ class RankGroups:
     pp_info: GroupInfo
 
 
+def group_specs(layout: Layout) -> list[tuple[GroupKind, str, list[int]]]:
+    """Every dp, tp and pp group of the layout as (kind, name, ranks), in the order all ranks create them.
+
+    A group varies one coordinate and is named after the fixed others: ``dp.pp0.tp1`` holds the data-parallel
+    replicas of stage 0, tensor shard 1."""
+    specs: list[tuple[GroupKind, str, list[int]]] = []
+    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
+    for kind, varying, fixed in ((GroupKind.DP, "dp", ("pp", "tp")), (GroupKind.TP, "tp", ("pp", "dp")),
+                                 (GroupKind.PP, "pp", ("dp", "tp"))):
+        for a in range(sizes[fixed[0]]):
+            for b in range(sizes[fixed[1]]):
+                at = {fixed[0]: a, fixed[1]: b}
+                ranks = [layout.rank_of(**{**at, varying: v}) for v in range(sizes[varying])]
+                specs.append((kind, f"{varying}.{fixed[0]}{a}.{fixed[1]}{b}", ranks))
+    return specs
+
+
 def build_groups(
     layout: Layout, hosts: Hosts, rank: int, *, timeout: timedelta
 ) -> tuple[RankGroups, list[tuple[Any, GroupInfo]]]:
@@ -118,32 +135,17 @@ def build_groups(
 
     `timeout` must be given: a new group does not inherit the world group's timeout (it defaults to 30 minutes).
     Returns this rank's groups and the (group, info) pairs of the groups it belongs to."""
-    dp_c, tp_c, pp_c = layout.coords(rank)
 
     def info(name: str, kind: GroupKind, ranks: list[int]) -> GroupInfo:
         return GroupInfo(name=name, kind=kind, ranks=tuple(ranks), hosts=tuple(hosts.host_of(r) for r in ranks))
 
-    mine: dict[GroupKind, tuple[Any, GroupInfo]] = {}
-    world_info = info("world", GroupKind.WORLD, list(range(layout.world_size)))
-    mine[GroupKind.WORLD] = (dist.GroupMember.WORLD, world_info)
-    for pp in range(layout.pp):
-        for tp in range(layout.tp):
-            ranks = [layout.rank_of(dp=d, tp=tp, pp=pp) for d in range(layout.dp)]
-            g = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                mine[GroupKind.DP] = (g, info(f"dp.pp{pp}.tp{tp}", GroupKind.DP, ranks))
-    for pp in range(layout.pp):
-        for dp in range(layout.dp):
-            ranks = [layout.rank_of(dp=dp, tp=t, pp=pp) for t in range(layout.tp)]
-            g = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                mine[GroupKind.TP] = (g, info(f"tp.pp{pp}.dp{dp}", GroupKind.TP, ranks))
-    for dp in range(layout.dp):
-        for tp in range(layout.tp):
-            ranks = [layout.rank_of(dp=dp, tp=tp, pp=p) for p in range(layout.pp)]
-            g = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                mine[GroupKind.PP] = (g, info(f"pp.dp{dp}.tp{tp}", GroupKind.PP, ranks))
+    mine: dict[GroupKind, tuple[Any, GroupInfo]] = {
+        GroupKind.WORLD: (dist.GroupMember.WORLD, info("world", GroupKind.WORLD, list(range(layout.world_size))))
+    }
+    for kind, name, ranks in group_specs(layout):
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine[kind] = (group, info(name, kind, ranks))
     groups = RankGroups(
         world=mine[GroupKind.WORLD][0],
         dp=mine[GroupKind.DP][0],

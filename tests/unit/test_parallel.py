@@ -149,3 +149,19 @@ def test_ring_links_are_sorted_and_unique() -> None:
 def test_degenerate_groups_have_no_links() -> None:
     assert GroupInfo(name="solo", kind=GroupKind.OTHER, ranks=(3,), hosts=("host1",)).links == ()
     assert GroupInfo(name="unknown", kind=GroupKind.OTHER, ranks=(0, 1), hosts=()).links == ()
+
+
+def test_group_specs_cover_every_rank_once_per_kind() -> None:
+    from rankwatch.collector.schema import GroupKind
+    from rankwatch.trainer.parallel import group_specs
+
+    layout = Layout(dp=2, tp=2, pp=2)
+    specs = group_specs(layout)
+    for kind, size in ((GroupKind.DP, 2), (GroupKind.TP, 2), (GroupKind.PP, 2)):
+        groups = [ranks for k, _, ranks in specs if k == kind]
+        assert sorted(r for g in groups for r in g) == list(range(8))
+        assert all(len(g) == size for g in groups)
+    names = {name: ranks for _, name, ranks in specs}
+    assert names["dp.pp0.tp1"] == [1, 3]
+    assert names["tp.pp1.dp0"] == [4, 5]
+    assert names["pp.dp1.tp0"] == [2, 6]
