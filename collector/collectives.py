@@ -45,23 +45,23 @@ class GroupInfo:
         return tuple(sorted(p for p in pairs if p.split("<->")[0] != p.split("<->")[1]))
 
 
-@dataclass(kw_only=True, slots=True)
 class _Open:
-    """A collective this rank entered and has not (yet) left."""
+    """A collective this rank entered and has not (yet) left (a plain slots class: built per collective)."""
 
-    op: str
-    group: GroupInfo
-    seq: int
-    group_seq: int
-    step: int
-    peer: int | None
-    nbytes: int
-    dtype: str
-    async_op: bool
-    enter_wall: int
-    enter_mono: int
-    cuda_start: Any = None
-    cuda_end: Any = None
+    __slots__ = (
+        "op", "group", "seq", "group_seq", "step", "peer", "nbytes", "dtype", "async_op", "enter_wall", "enter_mono",
+        "cuda_start", "cuda_end",
+    )
+
+    def __init__(
+        self, op: str, group: GroupInfo, seq: int, group_seq: int, step: int, peer: int | None, nbytes: int,
+        dtype: str, async_op: bool, enter_wall: int, enter_mono: int,
+    ) -> None:
+        self.op, self.group, self.seq, self.group_seq, self.step = op, group, seq, group_seq, step
+        self.peer, self.nbytes, self.dtype, self.async_op = peer, nbytes, dtype, async_op
+        self.enter_wall, self.enter_mono = enter_wall, enter_mono
+        self.cuda_start: Any = None
+        self.cuda_end: Any = None
 
 
 class StepCounters:
@@ -111,7 +111,10 @@ class _Timed:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if self._open is not None:
-            self._tracker._safe_exit(self._open, exc)
+            try:
+                self._tracker.exit(self._open, exc)
+            except Exception as internal:
+                self._tracker._on_internal("collective.exit", internal)
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -142,14 +145,14 @@ class CollectiveTracker:
         *,
         rank: int,
         append: Callable[[Table, Row], None],
-        counters: Callable[[], StepCounters | None],
         on_error: Callable[[BaseException, _Open], None],
         on_internal: Callable[[str, Exception], None],
         inflight_after_s: float = 0.5,
     ) -> None:
         self._rank = rank
         self._append = append
-        self._counters = counters
+        self.counters: StepCounters | None = None
+        """The step in progress; the collector sets it at step begin and clears it at step end."""
         self._on_error = on_error
         self._on_internal = on_internal
         self._inflight_after_ns = int(inflight_after_s * 1e9)
@@ -187,44 +190,55 @@ class CollectiveTracker:
         peer: int | None = None,
         async_op: bool = False,
     ) -> _Open:
+        enter_mono, enter_wall = time.monotonic_ns(), time.time_ns()
         info = self._groups.get(id(group) if group is not None else 0) or self.info(group)
         seqs = self._group_seq.get(info.name)
         if seqs is None:
             with self._lock:
                 seqs = self._group_seq.setdefault(info.name, itertools.count())
         gseq = next(seqs)  # atomic under the GIL: collectives may be issued from autograd or comm threads
-        counters = self._counters()
+        counters = self.counters
         if counters is not None:
             seq = counters.seq
-            counters.seq += 1
+            counters.seq = seq + 1
             step = counters.step
+            if async_op:
+                counters.async_last_enter_mono = enter_mono
         else:
-            seq, step = -1, -1
-        nbytes, dtype = _payload(tensor)
-        o = _Open(
-            op=op, group=info, seq=seq, group_seq=gseq, step=step, peer=peer, nbytes=nbytes, dtype=dtype,
-            async_op=async_op, enter_wall=time.time_ns(), enter_mono=time.monotonic_ns(),
-        )
+            seq = step = -1
+        if isinstance(tensor, torch.Tensor):
+            nbytes, dtype = tensor.nbytes, _DTYPE_NAMES.get(tensor.dtype) or _dtype_name(tensor.dtype)
+        else:
+            nbytes, dtype = _payload(tensor)
+        o = _Open(op, info, seq, gseq, step, peer, nbytes, dtype, async_op, enter_wall, enter_mono)
         if self._cuda and not async_op and isinstance(tensor, torch.Tensor) and tensor.is_cuda:
             o.cuda_start = torch.cuda.Event(enable_timing=True)
             o.cuda_start.record()
-        if counters is not None and async_op:
-            counters.async_last_enter_mono = o.enter_mono
         self._open[(info.name, gseq)] = o
         return o
 
     def exit(self, o: _Open, error: BaseException | None = None) -> None:
-        exit_mono = time.monotonic_ns()
-        exit_wall = time.time_ns()
-        self._open.pop((o.group.name, o.group_seq), None)
+        exit_mono, exit_wall = time.monotonic_ns(), time.time_ns()
+        group = o.group
+        self._open.pop((group.name, o.group_seq), None)
         duration = exit_mono - o.enter_mono
-        counters = self._counters()
+        counters = self.counters
         if counters is not None and counters.step == o.step:
             if o.async_op:
-                counters.async_last_exit_mono = max(counters.async_last_exit_mono, exit_mono)
+                if exit_mono > counters.async_last_exit_mono:
+                    counters.async_last_exit_mono = exit_mono
             else:
                 counters.blocked_ns += duration
                 counters.blocked.append((o.enter_mono, exit_mono))
+        if error is None and o.cuda_start is None:  # the common case, inlined: this runs per collective
+            self._append(
+                Table.COLLECTIVES,
+                (
+                    self._rank, o.step, o.seq, o.group_seq, o.op, group.name, group.ranks, o.peer, o.nbytes,
+                    o.dtype, o.async_op, o.enter_wall, o.enter_mono, exit_wall, exit_mono, duration, None, _OK, None,
+                ),
+            )
+            return
         status = _OK if error is None else _ERROR
         err = None if error is None else f"{type(error).__name__}: {error}"[:500]
         row = self._row(o, exit_wall, exit_mono, duration, None, status, err)
@@ -279,7 +293,7 @@ class CollectiveTracker:
             buf: torch.Tensor = bucket.buffer()
             o: _Open | None = None
             try:
-                counters = self._counters()
+                counters = self.counters
                 if counters is not None:
                     flat = buf.detach().view(-1)
                     if flat.dtype not in (torch.float32, torch.float64):

@@ -125,13 +125,17 @@ class _Phase:
 
     def __exit__(self, *exc: object) -> None:
         c = self._c
+        end = time.monotonic_ns()
         c._phase = self._previous
         current = c._current
-        step = current.step if current is not None else -1
-        c._append(
-            Table.PHASES,
-            (c.rank, step, self._name, self._start_wall, self._start_mono, time.monotonic_ns() - self._start_mono),
-        )
+        try:
+            c.sink.append(
+                Table.PHASES,
+                (c.rank, current.step if current is not None else -1, self._name, self._start_wall, self._start_mono,
+                 end - self._start_mono),
+            )
+        except Exception as internal:
+            c._internal_error("phase", internal)
 
 
 def _process_numa_node() -> int | None:
@@ -201,7 +205,6 @@ class Collector:
         self.tracker = CollectiveTracker(
             rank=rank,
             append=self.sink.append,  # the tracker's own try/except wrappers catch a failing sink
-            counters=self._counters,
             on_error=self._collective_failed,
             on_internal=self._internal_error,
             inflight_after_s=config.inflight_after_s,
@@ -316,10 +319,6 @@ class Collector:
         )
 
     # -- steps and phases -----------------------------------------------------------------------------
-    def _counters(self) -> StepCounters | None:
-        current = self._current
-        return current.counters if current is not None else None
-
     @contextmanager
     def step(self, step: int) -> Iterator[StepRecord]:
         """Time one training step. A step that raises writes no step row (the exception event covers it)."""
@@ -337,12 +336,14 @@ class Collector:
             record.start_wall_ns -= start_mono - pending[0]
             record.start_mono_ns = pending[0]
         self._current = record
+        self.tracker.counters = record.counters
         return record
 
     @_safe
     def _end_step(self, record: StepRecord) -> None:
         end_mono, end_wall = time.monotonic_ns(), time.time_ns()
         self._current = None
+        self.tracker.counters = None
         self._last_step = record.step
         counters = record.counters
         duration = end_mono - record.start_mono_ns
