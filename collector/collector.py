@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import math
 import os
 import signal
 import socket
@@ -356,7 +357,7 @@ class Collector:
         if grad_norm is None and (counters.grad_sq or counters.grad_sq_dev is not None):
             sq = counters.grad_sq + (float(counters.grad_sq_dev) if counters.grad_sq_dev is not None else 0.0)
             grad_norm = sq**0.5
-        finite = all(v == v and v not in (float("inf"), float("-inf")) for v in (loss, grad_norm) if v is not None)
+        finite = (loss is None or math.isfinite(loss)) and (grad_norm is None or math.isfinite(grad_norm))
         position = record.data_position if record.data_position is not None else self._data_position
         self._append(
             Table.STEPS,
