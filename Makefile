@@ -22,14 +22,14 @@ demo: $(STAMP)
 	$(VENV)/bin/rankwatch demo
 
 test: $(STAMP)
-	$(PY) -m mypy collector trainer analytics cli.py
+	$(PY) -m mypy collector trainer analytics cli.py benchmarks
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/collector_overhead.py
 
 lint: $(STAMP)
-	$(PY) -m mypy collector trainer analytics cli.py
+	$(PY) -m mypy collector trainer analytics cli.py benchmarks
 
 docs: $(STAMP)
 	$(PY) -c "from rankwatch.collector.schema import render_markdown; print(render_markdown(), end='')" > docs/telemetry.md
