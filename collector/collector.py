@@ -53,15 +53,15 @@ class CollectorConfig:
     run_dir: Path
     """Run directory; telemetry goes under <run_dir>/telemetry."""
     flush_interval_s: float = 5.0
-    """Seconds between part-file writes: bounds what a SIGKILL loses; each write also costs ~3 ms of CPU
-    whatever its size, so shorter intervals cost more."""
+    """Seconds between part-file writes: bounds what a SIGKILL loses; each write also has a fixed CPU cost
+    (one parquet file per table), so shorter intervals cost more."""
     heartbeat_interval_s: float = 1.0
     """Seconds between heartbeat events (written by a thread, so they continue while training is stuck)."""
     gpu_interval_s: float = 1.0
     """Seconds between GPU samples."""
     fingerprint_every: int = 50
     """Fingerprint the training state every N steps (0 = never). A fingerprint reads every parameter and
-    optimizer-state byte once (~1 ms for the canary's 1M parameters on CPU), so it is amortized over N steps."""
+    optimizer-state byte once, so it is amortized over N steps."""
     inflight_after_s: float = 0.5
     """A collective open this long is written as an in_flight row at the next flush."""
     max_buffered_rows: int = 100_000

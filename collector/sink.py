@@ -13,8 +13,8 @@ import logging
 import os
 import re
 import threading
-from collections import deque
 import time
+from collections import deque
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
