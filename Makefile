@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rankwatch-installed
 
-.PHONY: demo test setup bench lint docs clean
+.PHONY: demo test setup bench lint docs clean typecheck
 
 setup: $(STAMP)
 
@@ -21,18 +21,25 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 demo: $(STAMP)
 	$(VENV)/bin/rankwatch demo
 
-test: $(STAMP)
-	$(PY) -m mypy collector trainer analytics cli.py benchmarks
+# mypy names modules by folder; the checkout's folder may have any name, so check it through a link named
+# after the package.
+MYPY_ROOT := .mypy-root
+TYPED := collector trainer analytics cli.py benchmarks
+
+typecheck: $(STAMP)
+	rm -rf $(MYPY_ROOT) && mkdir -p $(MYPY_ROOT) && ln -s "$(CURDIR)" $(MYPY_ROOT)/rankwatch
+	cd $(MYPY_ROOT) && "$(CURDIR)/$(PY)" -m mypy --config-file "$(CURDIR)/pyproject.toml" $(addprefix rankwatch/,$(TYPED))
+
+test: typecheck
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/collector_overhead.py
 
-lint: $(STAMP)
-	$(PY) -m mypy collector trainer analytics cli.py benchmarks
+lint: typecheck
 
 docs: $(STAMP)
 	$(PY) -c "from rankwatch.collector.schema import render_markdown; print(render_markdown(), end='')" > docs/telemetry.md
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info $(MYPY_ROOT)

@@ -389,7 +389,7 @@ def _synthetic_step_us(*, collectives: int, phases: int, steps: int, layout: str
     for p in stage.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
-    grads = torch.cat([p.grad.view(-1) for p in stage.parameters()])
+    grads = torch.cat([p.grad.view(-1) for p in stage.parameters() if p.grad is not None])
     group = object()
     info = GroupInfo(name="tp.pp0.dp0", kind=GroupKind.TP, ranks=(0, 1), hosts=("host0", "host0"))
     tensor = torch.zeros(1024)
