@@ -1,4 +1,4 @@
-"""The `rankwatch` command: train (the canary job), demo, telemetry (what a run holds)."""
+"""The `rankwatch` command: train (the canary job), demo, telemetry (what a run holds), analyze (incidents)."""
 
 from __future__ import annotations
 
@@ -99,7 +99,73 @@ def _demo(args: argparse.Namespace) -> int:
     result = launch(cfg, timeout_s=600)
     print(f"  finished in {result.duration_s:.1f}s, exit codes {list(result.exit_codes)}")
     _print_summary(run_dir)
+    print()
+    _analyze_run(run_dir, progress=False)
     return 0 if result.ok else 1
+
+
+def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = None, anomaly: bool = True,
+                 progress: bool = True) -> int:
+    from rankwatch.analytics.analyze import AnalysisConfig, analyze, render_incidents, write_analysis
+    from rankwatch.analytics.incidents import to_json
+
+    def say(msg: str) -> None:
+        if progress:
+            print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+    analysis = analyze(run_dir, config=AnalysisConfig(window_steps=window, anomaly=anomaly), progress=say)
+    for w in analysis.warnings:
+        print(f"rankwatch analyze: warning: {w}", file=sys.stderr)
+    pq_path, js_path = write_analysis(analysis)
+    if as_json:
+        print(to_json(analysis.incidents))
+        return 0
+    took = sum(s for _, s in analysis.seconds)
+    print(f"rankwatch analyze: {run_dir}: {analysis.ranks} ranks, steps {analysis.first_step}..{analysis.last_step}, "
+          f"{len(analysis.incidents)} incident(s) in {took:.1f}s")
+    print(render_incidents(analysis.incidents))
+    print(f"written: {pq_path} and {js_path.name}")
+    return 0
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    return _analyze_run(args.run_dir, as_json=args.json, window=args.window, anomaly=not args.no_anomaly,
+                        progress=not args.quiet)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from rankwatch.simulator import SimConfig, parse_sim_fault, simulate
+    from rankwatch.trainer.parallel import Layout
+
+    layout = Layout.parse(args.layout, nproc=args.ranks)
+    cfg = SimConfig(name=args.name, layout=layout, hosts=args.hosts, steps=args.steps, seed=args.seed,
+                    faults=tuple(parse_sim_fault(f) for f in args.fault), checkpoint_every=args.checkpoint_every,
+                    fingerprint_every=args.fingerprint_every, phases=not args.no_phases)
+    print(f"rankwatch simulate: {layout.world_size} ranks ({layout}) on {args.hosts} hosts, {args.steps} steps -> {args.out}")
+    result = simulate(cfg, args.out)
+    rows = sum(result.rows.values())
+    print(f"  wrote {rows} rows in {result.elapsed_s:.1f}s; ground truth: {args.out / 'labels.json'}")
+    for label in result.labels.expected:
+        print(f"  expect {label.klass} {label.subject_kind}:{label.subject} from step {label.onset_step} ({label.cause})")
+    return 0
+
+
+def _localize(args: argparse.Namespace) -> int:
+    from rankwatch.analytics.analyze import observe_run
+    from rankwatch.analytics.localize import localize
+
+    observations = [observe_run(r) for r in args.run_dirs]
+    verdicts = localize(observations)
+    print(f"rankwatch localize: {len(observations)} run(s)")
+    if not verdicts:
+        print("no recurring incidents to localize")
+    for v in verdicts:
+        print(f"{v.klass}: follows {v.follows}{' ' + v.subject if v.subject else ''} "
+              f"({v.occurrences} of {v.observations} runs) — {v.summary}")
+        for q in v.quarantine:
+            print(f"  quarantine candidate: {q.kind} {q.id} ({q.occurrences} of {q.runs_observed} runs, "
+                  f"confidence {q.confidence:.2f}): {q.reason}")
+    return 0
 
 
 def _telemetry(args: argparse.Namespace) -> int:
@@ -116,8 +182,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--run-dir", type=Path, default=DEMO_RUN_DIR)
     t = sub.add_parser("telemetry", help="what a run's telemetry holds (rows per table)")
     t.add_argument("run_dir", type=Path)
+    a = sub.add_parser("analyze", help="find stragglers, fail-stops, hangs, divergence and corruption in a run")
+    a.add_argument("run_dir", type=Path)
+    a.add_argument("--json", action="store_true", help="print the incidents as JSON instead of a table")
+    a.add_argument("--window", type=int, default=None, metavar="STEPS", help="analyze only the latest STEPS steps")
+    a.add_argument("--no-anomaly", action="store_true", help="skip the anomaly model")
+    a.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    sim = sub.add_parser("simulate", help="write synthetic telemetry at scale with ground-truth labels")
+    sim.add_argument("--ranks", type=int, required=True)
+    sim.add_argument("--hosts", type=int, required=True)
+    sim.add_argument("--layout", default="", help="dp=N,tp=N,pp=N (product = --ranks)")
+    sim.add_argument("--steps", type=int, required=True)
+    sim.add_argument("--out", type=Path, required=True)
+    sim.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                     help="e.g. straggler:rank=5,from=100,slow=0.1 (kinds: straggler, host_dataloader, slow_link, "
+                          "stage_imbalance, data_skew, fail_stop, hang, divergence, corruption, slow_hardware, "
+                          "throttle_bit_only, steady_counters)")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--name", default="sim")
+    sim.add_argument("--checkpoint-every", type=int, default=0)
+    sim.add_argument("--fingerprint-every", type=int, default=50)
+    sim.add_argument("--no-phases", action="store_true", help="skip the (low-priority) phases table")
+    lo = sub.add_parser("localize", help="does a recurring fault follow a device, a rank, a host or a link?")
+    lo.add_argument("run_dirs", type=Path, nargs="+", help="runs (or restarts) of one job")
     args = parser.parse_args(argv)
-    handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry}
+    handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
+                "localize": _localize}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # bad input: one line, no traceback

@@ -1,6 +1,24 @@
-"""rankwatch.analytics: DuckDB over the telemetry; detectors, incidents and recovery policy build on it."""
+"""rankwatch.analytics: DuckDB over the telemetry; the frames detectors read; the detectors; incidents; and
+localization of recurring faults across runs."""
 
+from rankwatch.analytics.analyze import Analysis, AnalysisConfig, analyze, detect_all, render_incidents, write_analysis
+from rankwatch.analytics.anomaly import AnomalyConfig, detect_anomalies
+from rankwatch.analytics.corruption import CorruptionConfig, detect_corruption
+from rankwatch.analytics.divergence import DivergenceConfig, detect_divergence
 from rankwatch.analytics.errors import AnalyticsError, RunDirError, SchemaVersionError
-from rankwatch.analytics.store import TableSummary, connect, table_summaries
+from rankwatch.analytics.failstop import FailStopConfig, detect_failstops
+from rankwatch.analytics.frames import Frames
+from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind, read_incidents
+from rankwatch.analytics.localize import FollowsKind, Localization, QuarantineCandidate, RunObservation, localize
+from rankwatch.analytics.queries import load_frames
+from rankwatch.analytics.store import RunStore, TableSummary, connect, open_run, table_summaries
+from rankwatch.analytics.straggler import StragglerConfig, detect_stragglers
 
-__all__ = ["AnalyticsError", "RunDirError", "SchemaVersionError", "TableSummary", "connect", "table_summaries"]
+__all__ = [
+    "Analysis", "AnalysisConfig", "AnalyticsError", "AnomalyConfig", "Cause", "CorruptionConfig", "DivergenceConfig",
+    "Evidence", "FailStopConfig", "FollowsKind", "Frames", "Incident", "IncidentClass", "Localization",
+    "QuarantineCandidate", "RunDirError", "RunObservation", "RunStore", "SchemaVersionError", "StragglerConfig",
+    "Subject", "SubjectKind", "TableSummary", "analyze", "connect", "detect_all", "detect_anomalies",
+    "detect_corruption", "detect_divergence", "detect_failstops", "detect_stragglers", "load_frames", "localize",
+    "open_run", "read_incidents", "render_incidents", "table_summaries", "write_analysis",
+]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,9 +50,9 @@ def check_part(path: Path) -> None:
 
 
 def connect(run_dir: Path | str, *, check: bool = True) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB with one view per table present in the run (union by name, rank from the path)."""
+    """An in-memory DuckDB with one view per table present in the run (union by name, rank from the path).
+    With `check`, any unreadable part or unknown schema version raises a one-line error naming the file."""
     con = duckdb.connect()
-    tel = telemetry_dir(run_dir)
     for table in Table:
         files = part_files(run_dir, table)
         if not files:
@@ -58,11 +60,118 @@ def connect(run_dir: Path | str, *, check: bool = True) -> duckdb.DuckDBPyConnec
         if check:
             for f in files:
                 check_part(f)
-        glob = str(tel / str(table) / "rank=*" / "part-*.parquet").replace("'", "''")
-        con.execute(
-            f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{glob}', hive_partitioning=true, union_by_name=true)"
-        )
+        _create_view(con, table, files)
     return con
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunStore:
+    """A connection over a run's readable parts, and one warning per part file left out (naming the file)."""
+
+    con: duckdb.DuckDBPyConnection
+    warnings: tuple[str, ...]
+    parts: int
+    tables: frozenset[Table]
+    """Tables with at least one readable part."""
+
+
+ANALYZED_TABLES: frozenset[Table] = frozenset(Table) - {Table.PHASES}
+"""Tables the detectors read (phases are for people, not for detection)."""
+
+
+def open_run(run_dir: Path | str, *, tables: Collection[Table] = ANALYZED_TABLES, threads: int = 8) -> RunStore:
+    """Open a run for analysis: one view per table over its readable parts. A part file that cannot be read (cut
+    short, not parquet) is left out with a warning naming it; a part of an unknown schema version is an error,
+    because its columns could mean something else; a run with no telemetry at all is an error. `materialize`
+    then reads what many queries share into memory once."""
+    tel = telemetry_dir(run_dir)
+    by_table = {table: part_files(run_dir, table) for table in Table if table in tables}
+    every = [f for files in by_table.values() for f in files]
+    if not every:
+        raise RunDirError(f"{tel}: no telemetry part files — the run recorded nothing (or was cut before its first flush)")
+    con = duckdb.connect()
+    problems: dict[Path, Exception | None] = dict.fromkeys(every)
+    if not _versions_ok(con, every):
+        # Something is off: check file by file, to name each bad part.
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            problems = dict(zip(every, pool.map(_part_problem, every)))
+    warnings: list[str] = []
+    for problem in problems.values():
+        if isinstance(problem, SchemaVersionError):
+            raise problem
+        if problem is not None:
+            warnings.append(f"{problem} — left out of the analysis")
+    kept, present = 0, set()
+    for table, files in by_table.items():
+        good = [f for f in files if problems[f] is None]
+        if good:
+            # Every part was checked to carry this rankwatch's schema version, so all share one column set:
+            # union by name (which reads every footer again at each query) is only needed across versions.
+            _create_view(con, table, good, union_by_name=False)
+            kept += len(good)
+            present.add(table)
+    if not kept:
+        raise RunDirError(f"{tel}: none of its {len(every)} part files is readable")
+    return RunStore(con=con, warnings=tuple(warnings), parts=kept, tables=frozenset(present))
+
+
+# What analysis keeps in memory: each table read by several queries, with the columns they use. Tables read by one
+# query (gpu, fingerprints, checkpoint phases) stay views over the files.
+_MATERIALIZED: dict[Table, str] = {
+    Table.TOPOLOGY: "*",
+    Table.STEPS: "*",
+    Table.EVENTS: "*",
+    Table.COLLECTIVES: "* EXCLUDE (dtype, device_duration_ns, exit_mono_ns)",
+}
+
+
+def materialize(store: RunStore, *, since_step: int | None = None) -> None:
+    """Read the tables several queries use into memory once (see `_MATERIALIZED`), keeping only steps from
+    `since_step` on (events: every non-heartbeat event, heartbeats from that step on)."""
+    for table, columns in _MATERIALIZED.items():
+        if table not in store.tables:
+            continue
+        where = ""
+        if since_step is not None and table in (Table.STEPS, Table.COLLECTIVES):
+            where = f"WHERE step >= {int(since_step)}"
+        elif since_step is not None and table is Table.EVENTS:
+            where = f"WHERE kind <> 'heartbeat' OR step >= {int(since_step)}"
+        store.con.execute(f"CREATE TABLE _m_{table} AS SELECT {columns} FROM {table} {where}")
+        store.con.execute(f"DROP VIEW {table}")
+        store.con.execute(f"ALTER TABLE _m_{table} RENAME TO {table}")
+
+
+def _versions_ok(con: duckdb.DuckDBPyConnection, files: list[Path]) -> bool:
+    """True when every file is readable parquet carrying this rankwatch's schema version (one fast pass over the
+    footers in DuckDB); False when any is not, or the pass itself fails."""
+    try:
+        rows = con.execute(
+            "SELECT count(*), count(*) FILTER (WHERE decode(value) = $2) FROM parquet_kv_metadata($1) "
+            "WHERE decode(key) = $3",
+            [[str(f) for f in files], str(SCHEMA_VERSION), SCHEMA_VERSION_KEY.decode()],
+        ).fetchall()
+    except duckdb.Error:
+        return False
+    total, matching = rows[0]
+    return bool(total == len(files) and matching == len(files))
+
+
+def _part_problem(path: Path) -> Exception | None:
+    try:
+        check_part(path)
+    except RunDirError as exc:
+        return exc
+    except SchemaVersionError as exc:
+        return exc
+    return None
+
+
+def _create_view(con: duckdb.DuckDBPyConnection, table: Table, files: list[Path], *, union_by_name: bool = True) -> None:
+    listing = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
+    by_name = "true" if union_by_name else "false"
+    con.execute(
+        f"CREATE VIEW {table} AS SELECT * FROM read_parquet([{listing}], hive_partitioning=true, union_by_name={by_name})"
+    )
 
 
 def table_summaries(run_dir: Path | str) -> list[TableSummary]:

@@ -28,6 +28,7 @@ def canary(run_dir: Path, *, layout: str, steps: int, hosts: int = 1, faults: Fa
         pg_timeout_s=8.0,
         flush_interval_s=0.5,
         heartbeat_interval_s=0.25,
+        gpu_interval_s=0.1,
         model=SMALL,
     )
     return replace(cfg, **kw)

@@ -81,6 +81,8 @@ class CanaryConfig:
     """Collector part-file interval."""
     heartbeat_interval_s: float = 1.0
     """Collector heartbeat interval."""
+    gpu_interval_s: float = 1.0
+    """GPU sampling period of each rank's collector."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model size."""
     attempt: int = 0
@@ -152,6 +154,7 @@ class _Rank:
                     run_dir=self.cfg.run_dir,
                     flush_interval_s=self.cfg.flush_interval_s,
                     heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+                    gpu_interval_s=self.cfg.gpu_interval_s,
                     fingerprint_every=self.cfg.fingerprint_every,
                 ),
                 rank=self.rank,

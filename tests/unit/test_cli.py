@@ -33,3 +33,64 @@ def test_telemetry_of_a_missing_run(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["telemetry", str(tmp_path / "nope")]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "not a run directory" in captured.err
+
+
+def test_analyze_bad_runs_get_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["analyze", str(tmp_path / "nope"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and err.count("\n") == 1
+    (tmp_path / "empty" / "telemetry").mkdir(parents=True)
+    assert main(["analyze", str(tmp_path / "empty"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "no telemetry part files" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--fault", "bogus:rank=1"], "unknown kind 'bogus'"),
+        (["--fault", "straggler:rank=99,from=3,slow=0.1"], "rank 99 outside world size 16"),
+        (["--fault", "straggler:rank=1,from=x,slow=0.1"], "from='x' is not a valid value"),
+        (["--layout", "dp=3"], "the product must equal it"),
+        (["--hosts", "3"], "--hosts 3 must be >= 1 and divide the world size 16"),
+    ],
+)
+def test_simulate_bad_input(argv: list[str], expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = {"--ranks": "16", "--hosts": "2", "--steps": "20", "--out": str(tmp_path / "sim")}
+    for i in range(0, len(argv), 2):
+        args[argv[i]] = argv[i + 1] if argv[i] != "--fault" else args.get("--fault", "") + argv[i + 1]
+    flat = [x for kv in args.items() for x in kv]
+    rc = main(["simulate", *flat])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert expected in err and err.count("\n") == 1
+    assert not (tmp_path / "sim").exists()
+
+
+def test_simulate_analyze_and_localize(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim"
+    assert main(["simulate", "--ranks", "16", "--hosts", "2", "--layout", "dp=4,tp=2,pp=2", "--steps", "60",
+                 "--out", str(out), "--fault", "straggler:rank=5,from=30,slow=0.3", "--no-phases"]) == 0
+    assert "expect straggler rank:5 from step 30" in capsys.readouterr().out
+    assert main(["analyze", str(out), "--json", "--quiet"]) == 0
+    import json
+
+    incidents = json.loads(capsys.readouterr().out)["incidents"]
+    assert [(i["class"], i["subject_kind"], i["subject"]) for i in incidents] == [("straggler", "rank", "5")]
+    assert (out / "analysis" / "incidents.parquet").exists()
+    assert main(["localize", str(out)]) == 0
+    assert "follows inconclusive" in capsys.readouterr().out  # one run cannot tell a device from a rank
+
+
+def test_analyze_warns_about_a_cut_part_and_goes_on(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim"
+    assert main(["simulate", "--ranks", "8", "--hosts", "2", "--layout", "dp=4,tp=2", "--steps", "30",
+                 "--out", str(out), "--no-phases"]) == 0
+    victim = next((out / "telemetry" / "collectives" / "rank=3").glob("part-*.parquet"))
+    victim.write_bytes(victim.read_bytes()[:100])
+    capsys.readouterr()
+    assert main(["analyze", str(out), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and str(victim) in warnings[0] and "left out" in warnings[0]
+    assert "no incidents" in captured.out

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ["collector", "analytics", "trainer", "dashboard"]
+PACKAGES = ["collector", "analytics", "trainer", "dashboard", "simulator"]
 
 
 def _source_modules() -> list[str]:
@@ -55,9 +55,21 @@ EXPORTS = {
         "NullCollector", "NvmlSampler", "ParquetSink", "ReplaySampler", "Sink", "SinkConfig", "StepRecord", "Table",
         "fingerprint", "instrument_distributed", "open_sampler",
     },
-    "rankwatch.analytics": {"AnalyticsError", "RunDirError", "SchemaVersionError", "TableSummary", "connect", "table_summaries"},
+    "rankwatch.analytics": {
+        "Analysis", "AnalysisConfig", "AnalyticsError", "AnomalyConfig", "Cause", "CorruptionConfig",
+        "DivergenceConfig", "Evidence", "FailStopConfig", "FollowsKind", "Frames", "Incident", "IncidentClass",
+        "Localization", "QuarantineCandidate", "RunDirError", "RunObservation", "RunStore", "SchemaVersionError",
+        "StragglerConfig", "Subject", "SubjectKind", "TableSummary", "analyze", "connect", "detect_all",
+        "detect_anomalies", "detect_corruption", "detect_divergence", "detect_failstops", "detect_stragglers",
+        "load_frames", "localize", "open_run", "read_incidents", "render_incidents", "table_summaries",
+        "write_analysis",
+    },
     "rankwatch.trainer": {"CanaryConfig", "Faults", "Hosts", "LaunchResult", "Layout", "ModelConfig", "launch", "parse_fault"},
     "rankwatch.dashboard": set(),
+    "rankwatch.simulator": {
+        "Labels", "Scenario", "SimConfig", "SimResult", "parse_sim_fault", "read_labels", "run_scenario", "simulate",
+        "standard_suite",
+    },
 }
 
 
@@ -69,11 +81,15 @@ def test_public_surface_is_pinned(package: str) -> None:
         assert hasattr(mod, name), name
 
 
-def test_collector_does_not_import_trainer_or_dashboard() -> None:
-    """Arrows point one way: trainer -> collector, analytics -> collector; nothing imports dashboard."""
-    for pkg, banned in (("collector", ("rankwatch.trainer", "rankwatch.analytics", "rankwatch.dashboard")),
-                        ("analytics", ("rankwatch.trainer", "rankwatch.dashboard")),
-                        ("trainer", ("rankwatch.analytics", "rankwatch.dashboard"))):
+def test_import_arrows_point_one_way() -> None:
+    """Arrows point one way: trainer -> collector, analytics -> collector; the simulator stands in for trainer +
+    collector and labels with analytics' incident types; nothing but the cli and benchmarks import the simulator;
+    nothing imports dashboard."""
+    everything = ("rankwatch.trainer", "rankwatch.analytics", "rankwatch.dashboard", "rankwatch.simulator")
+    for pkg, banned in (("collector", everything),
+                        ("analytics", ("rankwatch.trainer", "rankwatch.dashboard", "rankwatch.simulator")),
+                        ("trainer", ("rankwatch.analytics", "rankwatch.dashboard", "rankwatch.simulator")),
+                        ("simulator", ("rankwatch.dashboard",))):
         for f in (ROOT / pkg).glob("*.py"):
             text = f.read_text()
             for b in banned:

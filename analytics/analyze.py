@@ -1,0 +1,150 @@
+"""Analyze a run: load its frames, run every detector, and keep one typed incident per thing that went wrong.
+
+`analyze(run_dir)` is what `rankwatch analyze RUN_DIR` runs; `write_analysis` puts the incidents into the run
+(`<run>/analysis/incidents.parquet` and `incidents.json`); `render_incidents` is the readable table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rankwatch.analytics.anomaly import detect_anomalies
+from rankwatch.analytics.corruption import detect_corruption
+from rankwatch.analytics.divergence import detect_divergence
+from rankwatch.analytics.failstop import detect_failstops
+from rankwatch.analytics.frames import Frames
+from rankwatch.analytics.incidents import Incident, sort_incidents, write_incidents
+from rankwatch.analytics.localize import RunObservation
+from rankwatch.analytics.queries import groups, load_frames, topology
+from rankwatch.analytics.store import materialize, open_run
+from rankwatch.analytics.straggler import detect_stragglers
+from rankwatch.collector.schema import Table
+
+ANALYSIS_DIR = "analysis"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AnalysisConfig:
+    window_steps: int | None = None
+    """Analyze only the latest this many steps (a live window); None = the whole run."""
+    anomaly: bool = True
+    """Run the anomaly model over what no detector explained."""
+
+    def __post_init__(self) -> None:
+        if self.window_steps is not None and self.window_steps < 1:
+            raise ValueError(f"window_steps {self.window_steps}: must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Analysis:
+    run_dir: Path
+    incidents: tuple[Incident, ...]
+    ranks: int
+    first_step: int
+    last_step: int
+    warnings: tuple[str, ...]
+    """One line per part file left out (cut short, unreadable), naming it."""
+    seconds: tuple[tuple[str, float], ...]
+    """Wall seconds per stage, in order."""
+
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def detect_all(frames: Frames, *, anomaly: bool = True, progress: Progress = _quiet,
+               timings: list[tuple[str, float]] | None = None) -> tuple[Incident, ...]:
+    """Every detector over one bundle of frames; the anomaly model last, told what the others found."""
+    found: list[Incident] = []
+    stages: list[tuple[str, Callable[[Frames], tuple[Incident, ...]]]] = [
+        ("fail-stop and hang", detect_failstops), ("straggler", detect_stragglers),
+        ("divergence", detect_divergence), ("corruption", detect_corruption),
+    ]
+    for name, detector in stages:
+        t0 = time.perf_counter()
+        progress(f"detecting {name}")
+        found.extend(detector(frames))
+        if timings is not None:
+            timings.append((name, time.perf_counter() - t0))
+    if anomaly:
+        t0 = time.perf_counter()
+        progress("anomaly model")
+        found.extend(detect_anomalies(frames, known=tuple(found)))
+        if timings is not None:
+            timings.append(("anomaly", time.perf_counter() - t0))
+    return sort_incidents(found)
+
+
+def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), progress: Progress = _quiet) -> Analysis:
+    """Find the incidents of a run. Raises `AnalyticsError` (one line, naming the file) for a run that cannot be
+    read; parts that are cut short are left out with a warning in the result."""
+    run = Path(run_dir)
+    timings: list[tuple[str, float]] = []
+    t0 = time.perf_counter()
+    progress(f"opening {run}")
+    store = open_run(run)
+    for w in store.warnings:
+        progress(f"warning: {w}")
+    since = None
+    if config.window_steps is not None and Table.STEPS in store.tables:
+        last = store.con.execute("SELECT max(step) FROM steps").fetchall()[0][0]
+        since = None if last is None else max(0, int(last) - config.window_steps + 1)
+    progress("reading telemetry" + (f" from step {since}" if since is not None else ""))
+    materialize(store, since_step=since)
+    timings.append(("open", time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    progress("loading frames" + (f" from step {since}" if since is not None else ""))
+    frames = load_frames(con=store.con, since_step=since)
+    timings.append(("load", time.perf_counter() - t0))
+    progress(f"loaded {frames.steps.height} step rows from {frames.world_size} ranks")
+    incidents = detect_all(frames, anomaly=config.anomaly, progress=progress, timings=timings)
+    steps = frames.steps["step"] if frames.steps.height else None
+    return Analysis(
+        run_dir=run, incidents=incidents, ranks=frames.world_size,
+        first_step=int(steps.min()) if steps is not None else -1,  # type: ignore[arg-type]
+        last_step=int(steps.max()) if steps is not None else -1,  # type: ignore[arg-type]
+        warnings=store.warnings, seconds=tuple(timings),
+    )
+
+
+def observe_run(run_dir: Path | str, *, progress: Progress = _quiet) -> RunObservation:
+    """Analyze a run and pair its incidents with the topology they happened on, for `localize`."""
+    analysis = analyze(run_dir, progress=progress)
+    store = open_run(run_dir)
+    topo = topology(store.con)
+    attempt = int(topo["attempt"].max()) if topo.height else 0  # type: ignore[arg-type]
+    return RunObservation(run=str(run_dir), attempt=attempt, incidents=analysis.incidents, topology=topo,
+                          groups=groups(store.con))
+
+
+def write_analysis(analysis: Analysis) -> tuple[Path, Path]:
+    return write_incidents(analysis.incidents, analysis.run_dir / ANALYSIS_DIR)
+
+
+def _ranks_text(ranks: tuple[int, ...], limit: int = 6) -> str:
+    if len(ranks) <= limit:
+        return ",".join(map(str, ranks))
+    return ",".join(map(str, ranks[:limit])) + f",… ({len(ranks)})"
+
+
+def render_incidents(incidents: tuple[Incident, ...] | list[Incident]) -> str:
+    """A fixed-width table: class, subject, ranks, onset/detection step, confidence, cause, summary."""
+    if not incidents:
+        return "no incidents"
+    head = ("class", "subject", "ranks", "onset", "detected", "conf", "cause", "summary")
+    rows = [
+        (str(i.klass), str(i.subject), _ranks_text(i.ranks), "-" if i.onset_step is None else str(i.onset_step),
+         "-" if i.detection_step is None else str(i.detection_step), f"{i.confidence:.2f}", str(i.cause), i.summary)
+        for i in incidents
+    ]
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head) - 1)]
+    lines = []
+    for r in [head, *rows]:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(r[:-1], widths)) + "  " + r[-1])
+    return "\n".join(lines)

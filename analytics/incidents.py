@@ -1,0 +1,252 @@
+"""Incidents: one typed, frozen record per thing that went wrong, with the evidence behind it.
+
+Every detector returns a tuple of `Incident`. An incident names its failure class, the subject at the level the
+evidence supports (a rank, a device, a host's input pipeline, an inter-host link, a pipeline stage, a data-parallel
+replica, the job), the ranks involved, when it started and when it could first be told, how sure the detector is,
+the cause when the evidence supports one, and the rows that support it.
+
+Incidents serialize to JSON (`to_json`) and to a parquet table (`incidents_table`) with one row per incident and
+the evidence as a JSON string column; `read_incidents` reads either back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+INCIDENTS_VERSION = 1
+EVIDENCE_ROWS_MAX = 20
+"""Evidence keeps at most this many rows per item: enough to show the pattern, small enough to read."""
+
+
+class IncidentClass(StrEnum):
+    STRAGGLER = "straggler"
+    """Alive but late: a rank, host input pipeline or link that holds the others back, persistently or in bursts."""
+    FAIL_STOP = "fail_stop"
+    """Gone: the rank stopped (exit, signal, killed) while its peers went on or blocked waiting for it."""
+    HANG = "hang"
+    """Alive but stuck: the process still beats its heartbeat but no longer completes steps or collectives."""
+    DIVERGENCE = "divergence"
+    """Ranks of one consistency domain disagree on step, RNG, data position, or state after such a disagreement."""
+    CORRUPTION = "corruption"
+    """Wrong values, no error: a state disagreement while step, RNG and data position agree, non-finite values,
+    or local gradient-norm / loss outliers before the all-reduce."""
+    IMBALANCE = "imbalance"
+    """A job-design issue, not a device fault: a whole pipeline stage slower than the others, or random
+    per-step data skew that makes a different rank late each step."""
+    UNCLASSIFIED = "unclassified"
+    """The anomaly model saw something unusual that no class explains; reported, not guessed."""
+
+
+class SubjectKind(StrEnum):
+    RANK = "rank"
+    DEVICE = "device"
+    HOST = "host"
+    LINK = "link"
+    STAGE = "stage"
+    REPLICA = "replica"
+    DOMAIN = "domain"
+    JOB = "job"
+
+
+class Cause(StrEnum):
+    UNKNOWN = "unknown"
+    # straggler causes
+    THERMAL_THROTTLE = "thermal_throttle"
+    POWER_THROTTLE = "power_throttle"
+    HW_SLOWDOWN = "hw_slowdown"
+    DATALOADER = "dataloader"
+    CHECKPOINT_IO = "checkpoint_io"
+    SLOW_LINK = "slow_link"
+    # imbalance causes
+    STAGE_IMBALANCE = "stage_imbalance"
+    DATA_SKEW = "data_skew"
+    # fail-stop / hang causes
+    EXIT = "exit"
+    SIGNAL = "signal"
+    EXCEPTION = "exception"
+    VANISHED = "vanished"
+    STUCK_IN_COLLECTIVE = "stuck_in_collective"
+    STUCK_IN_STEP = "stuck_in_step"
+    # divergence causes (the first field that disagreed)
+    STEP_MISMATCH = "step_mismatch"
+    RNG_MISMATCH = "rng_mismatch"
+    DATA_POSITION_MISMATCH = "data_position_mismatch"
+    STATE_MISMATCH = "state_mismatch"
+    # corruption causes
+    HARDWARE_ERROR = "hardware_error"
+    NON_FINITE = "non_finite"
+    GRAD_NORM_OUTLIER = "grad_norm_outlier"
+    LOSS_OUTLIER = "loss_outlier"
+    VALUE_MISMATCH = "value_mismatch"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Subject:
+    """What the incident is about. `id` is the rank number, device UUID, host name, link name ('h0<->h1'),
+    stage ('pp=1'), replica ('dp=0'), consistency-domain name, or 'job'."""
+
+    kind: SubjectKind
+    id: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.id}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Evidence:
+    """Rows behind an incident: which named query or table they come from, what they show, and up to
+    `EVIDENCE_ROWS_MAX` rows of it (values are JSON scalars)."""
+
+    source: str
+    summary: str
+    columns: tuple[str, ...] = ()
+    rows: tuple[tuple[Any, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.rows) > EVIDENCE_ROWS_MAX:
+            object.__setattr__(self, "rows", self.rows[:EVIDENCE_ROWS_MAX])
+        for row in self.rows:
+            if len(row) != len(self.columns):
+                raise ValueError(f"evidence {self.source!r}: row {row!r} has {len(row)} values for {len(self.columns)} columns")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Incident:
+    """One incident. `confidence` is in [0, 1]: 1 = the evidence admits no other reading, 0.5 = as likely as not.
+    `onset_step` is the first step the fault shows in; `detection_step` the step by which the detector had enough
+    evidence to raise it (onset + the persistence it requires); `detection_wall_ns` that step's wall-clock end.
+    `fields` names what disagreed or was abnormal (fingerprint fields, counters, signals)."""
+
+    klass: IncidentClass
+    subject: Subject
+    ranks: tuple[int, ...]
+    onset_step: int | None
+    detection_step: int | None
+    confidence: float
+    cause: Cause
+    summary: str
+    detection_wall_ns: int | None = None
+    fields: tuple[str, ...] = ()
+    evidence: tuple[Evidence, ...] = ()
+    attempt: int | None = None
+    id: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.confidence <= 1.0:
+            raise ValueError(f"incident {self.klass} {self.subject}: confidence {self.confidence} outside [0, 1]")
+        object.__setattr__(self, "ranks", tuple(sorted({int(r) for r in self.ranks})))
+        if not self.id:
+            key = f"{self.klass}|{self.subject}|{self.onset_step}|{','.join(map(str, self.ranks))}"
+            object.__setattr__(self, "id", f"{self.klass}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "class": str(self.klass),
+            "subject_kind": str(self.subject.kind),
+            "subject": self.subject.id,
+            "ranks": list(self.ranks),
+            "onset_step": self.onset_step,
+            "detection_step": self.detection_step,
+            "detection_wall_ns": self.detection_wall_ns,
+            "confidence": round(self.confidence, 4),
+            "cause": str(self.cause),
+            "summary": self.summary,
+            "fields": list(self.fields),
+            "attempt": self.attempt,
+            "evidence": [
+                {"source": e.source, "summary": e.summary, "columns": list(e.columns), "rows": [list(r) for r in e.rows]}
+                for e in self.evidence
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Incident:
+        try:
+            return cls(
+                id=d["id"],
+                klass=IncidentClass(d["class"]),
+                subject=Subject(kind=SubjectKind(d["subject_kind"]), id=str(d["subject"])),
+                ranks=tuple(d["ranks"]),
+                onset_step=d["onset_step"],
+                detection_step=d["detection_step"],
+                detection_wall_ns=d.get("detection_wall_ns"),
+                confidence=float(d["confidence"]),
+                cause=Cause(d["cause"]),
+                summary=d["summary"],
+                fields=tuple(d.get("fields", ())),
+                attempt=d.get("attempt"),
+                evidence=tuple(
+                    Evidence(source=e["source"], summary=e["summary"], columns=tuple(e["columns"]),
+                             rows=tuple(tuple(r) for r in e["rows"]))
+                    for e in d.get("evidence", ())
+                ),
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ValueError(f"incident record {d.get('id', '?')!r}: {type(exc).__name__}: {exc}") from None
+
+
+def sort_incidents(incidents: Iterable[Incident]) -> tuple[Incident, ...]:
+    """Most consequential first: fail-stop and hang, corruption, divergence, straggler, imbalance, unclassified;
+    then by onset."""
+    order = {c: i for i, c in enumerate((IncidentClass.FAIL_STOP, IncidentClass.HANG, IncidentClass.CORRUPTION,
+                                          IncidentClass.DIVERGENCE, IncidentClass.STRAGGLER, IncidentClass.IMBALANCE,
+                                          IncidentClass.UNCLASSIFIED))}
+    return tuple(sorted(incidents, key=lambda i: (order[i.klass], i.onset_step if i.onset_step is not None else -1, i.id)))
+
+
+def to_json(incidents: Sequence[Incident]) -> str:
+    return json.dumps({"version": INCIDENTS_VERSION, "incidents": [i.to_dict() for i in incidents]}, indent=2)
+
+
+_TABLE_SCHEMA = pa.schema([
+    ("id", pa.string()), ("class", pa.string()), ("subject_kind", pa.string()), ("subject", pa.string()),
+    ("ranks", pa.list_(pa.int32())), ("onset_step", pa.int64()), ("detection_step", pa.int64()),
+    ("detection_wall_ns", pa.int64()), ("confidence", pa.float64()), ("cause", pa.string()),
+    ("summary", pa.string()), ("fields", pa.list_(pa.string())), ("attempt", pa.int32()), ("evidence", pa.string()),
+])
+
+
+def incidents_table(incidents: Sequence[Incident]) -> pa.Table:
+    rows = []
+    for inc in incidents:
+        d = inc.to_dict()
+        d["evidence"] = json.dumps(d["evidence"])
+        rows.append(d)
+    return pa.Table.from_pylist(rows, schema=_TABLE_SCHEMA)
+
+
+def write_incidents(incidents: Sequence[Incident], out_dir: Path) -> tuple[Path, Path]:
+    """Write `incidents.parquet` and `incidents.json` into `out_dir`, each under a temporary name then renamed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pq_path, js_path = out_dir / "incidents.parquet", out_dir / "incidents.json"
+    tmp = pq_path.with_suffix(".parquet.tmp")
+    pq.write_table(incidents_table(incidents), tmp)
+    tmp.replace(pq_path)
+    tmp = js_path.with_suffix(".json.tmp")
+    tmp.write_text(to_json(incidents))
+    tmp.replace(js_path)
+    return pq_path, js_path
+
+
+def read_incidents(path: Path) -> tuple[Incident, ...]:
+    """Read incidents back from an `incidents.json` or `incidents.parquet` file."""
+    try:
+        if path.suffix == ".json":
+            records = json.loads(path.read_text())["incidents"]
+        else:
+            records = pq.read_table(path).to_pylist()
+            for r in records:
+                r["evidence"] = json.loads(r["evidence"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{path}: not a readable incidents file ({type(exc).__name__}: {exc})") from None
+    return tuple(Incident.from_dict(r) for r in records)

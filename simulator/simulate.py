@@ -1,0 +1,68 @@
+"""Synthetic telemetry: a run directory with the collector's exact schema, plus its ground truth.
+
+    simulate(SimConfig(layout=Layout(dp=4, tp=2, pp=2), hosts=4, steps=200,
+                       faults=(Straggler(rank=5, from_step=100, slow=0.1),)), Path("/tmp/sim"))
+
+writes ``<out>/telemetry/<table>/rank=<r>/part-000000.parquet`` for every table, and ``<out>/labels.json``: the
+incidents a perfect detector raises (``expected``) and the benign variation it must stay quiet about (``benign``).
+The time model is in `model`, the faults in `faults`, the tables in `tables`, the ground truth in `labels`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from rankwatch.collector.schema import TELEMETRY_DIR, Table
+from rankwatch.simulator.config import Scenario, SimConfig
+from rankwatch.simulator.labels import LABELS_FILE, Labels, labels_for
+from rankwatch.simulator.model import _inputs, _lifecycle, _step_loop, _Topo
+from rankwatch.simulator.tables import _Builder, _write_parts
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimResult:
+    out: Path
+    labels: Labels
+    rows: Mapping[Table, int]
+    """Rows written per table."""
+    elapsed_s: float
+
+
+def simulate(cfg: SimConfig, out: Path) -> SimResult:
+    """Write the run `cfg` describes to `out` (telemetry/ and labels.json); `out` must not hold telemetry yet."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    if (out / TELEMETRY_DIR).exists():
+        raise ValueError(f"{out}: already holds {TELEMETRY_DIR}/; simulate into a fresh directory")
+    topo = _Topo(cfg)
+    rng = np.random.default_rng([cfg.seed, 0x51A])
+    inp = _inputs(cfg, topo, rng)
+    tr = _step_loop(cfg, topo, rng, inp.comp, inp.dl, inp.ckpt, inp.link_mult, inp.stop, inp.stuck_dp)
+    life = _lifecycle(cfg, topo, tr, rng)
+    b = _Builder(cfg, topo, tr, life, inp, rng)
+    builders: list[tuple[Table, Callable[[], pa.Table]]] = [
+        (Table.TOPOLOGY, b.topology), (Table.STEPS, b.steps), (Table.COLLECTIVES, b.collectives),
+        (Table.EVENTS, b.events), (Table.GPU, b.gpu), (Table.FINGERPRINTS, b.fingerprints),
+        (Table.CHECKPOINT_PHASES, b.checkpoint_phases),
+    ]
+    if cfg.phases:
+        builders.append((Table.PHASES, b.phases))
+    rows: dict[Table, int] = {}
+    for table, build in builders:  # collectives before events: heartbeats name the collective a rank is stuck in
+        data = build()
+        rows[table] = data.num_rows
+        _write_parts(out, table, data, topo.n)
+        del data
+    labels = labels_for(cfg, sorted(inp.skewed))
+    (out / LABELS_FILE).write_text(labels.to_json())
+    return SimResult(out=out, labels=labels, rows=rows, elapsed_s=time.perf_counter() - t0)
+
+
+def run_scenario(scenario: Scenario, out: Path) -> SimResult:
+    return simulate(scenario.config, out)

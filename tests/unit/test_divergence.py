@@ -1,0 +1,118 @@
+"""Divergence from hand-built fingerprints: who departs, on what, since when, and the majority rule."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+
+from rankwatch.analytics.corruption import detect_corruption
+from rankwatch.analytics.divergence import DivergenceConfig, detect_divergence
+from rankwatch.analytics.frames import Frames
+from rankwatch.analytics.incidents import Cause, IncidentClass, SubjectKind
+
+S = 1_000_000_000
+FP_STEPS = range(0, 60, 10)
+
+
+def _layout(dp: int, pp: int) -> tuple[pl.DataFrame, dict[int, list[int]]]:
+    """rank = dp_coord + dp * pp_coord; one consistency domain per stage: 'dp.pp<k>.tp0'."""
+    topo = pl.DataFrame([{"rank": d + dp * p, "world_size": dp * pp, "dp": d, "tp": 0, "pp": p, "role": f"pp={p}"}
+                         for p in range(pp) for d in range(dp)])
+    return topo, {p: [d + dp * p for d in range(dp)] for p in range(pp)}
+
+
+def _fingerprints(domains: dict[int, list[int]], change: dict[tuple[int, str], int] | None = None) -> pl.DataFrame:
+    """Identical fingerprints everywhere, except (rank, field) -> from that step on the rank's value differs."""
+    change = change or {}
+    rows = []
+    for p, members in domains.items():
+        for r in members:
+            for s in FP_STEPS:
+                def v(field: str, base: str) -> str:
+                    since = change.get((r, field))
+                    return f"{base}-bad" if since is not None and s >= since else base
+                rows.append({
+                    "rank": r, "step": s, "wall_ns": s * S + r, "domain": f"dp.pp{p}.tp0", "domain_ranks": members,
+                    "param_hash": v("param", f"p{p}-{s}"), "optim_hash": v("optim", f"o{p}-{s}"),
+                    "rng_python_hash": f"py{s}", "rng_numpy_hash": f"np{s}", "rng_torch_hash": v("rng_torch", f"t{s}"),
+                    "rng_cuda_hash": None,
+                    "data_position": s * 32 + (7 if (r, "data_position") in change and s >= change[(r, "data_position")] else 0),
+                })
+    return pl.DataFrame(rows)
+
+
+def test_single_rank_of_four_replicas_is_blamed() -> None:
+    topo, domains = _layout(dp=4, pp=1)
+    fp = _fingerprints(domains, {(2, "rng_torch"): 30, (2, "param"): 40})
+    (inc,) = detect_divergence(Frames.build(topology=topo, fingerprints=fp))
+    assert (inc.klass, inc.subject.kind, inc.subject.id, inc.ranks) == (IncidentClass.DIVERGENCE, SubjectKind.RANK, "2", (2,))
+    assert inc.cause is Cause.RNG_MISMATCH and inc.onset_step == inc.detection_step == 30
+    assert inc.fields == ("rng_torch", "param")
+    assert detect_corruption(Frames.build(topology=topo, fingerprints=fp)) == ()  # the param change is a consequence
+
+
+def test_whole_replica_across_domains_is_one_replica_incident() -> None:
+    topo, domains = _layout(dp=4, pp=4)
+    replica = [3 + 4 * p for p in range(4)]
+    fp = _fingerprints(domains, {(r, "data_position"): 20 for r in replica} | {(r, "param"): 30 for r in replica})
+    (inc,) = detect_divergence(Frames.build(topology=topo, fingerprints=fp))
+    assert (inc.subject.kind, inc.subject.id, inc.ranks) == (SubjectKind.REPLICA, "dp=3", tuple(replica))
+    assert inc.cause is Cause.DATA_POSITION_MISMATCH and inc.onset_step == 20
+
+
+def test_two_replicas_no_majority_blames_nobody() -> None:
+    topo, domains = _layout(dp=2, pp=1)
+    fp = _fingerprints(domains, {(1, "rng_torch"): 20})
+    (inc,) = detect_divergence(Frames.build(topology=topo, fingerprints=fp))
+    assert (inc.subject.kind, inc.subject.id, inc.ranks) == (SubjectKind.DOMAIN, "dp.pp0.tp0", (0, 1))
+    assert inc.confidence < DivergenceConfig().blamed_confidence and "nobody is blamed" in inc.summary
+
+
+def test_every_domain_split_without_majority_is_one_job_incident() -> None:
+    topo, domains = _layout(dp=2, pp=2)
+    fp = _fingerprints(domains, {(1, "rng_torch"): 20, (3, "rng_torch"): 20})
+    (inc,) = detect_divergence(Frames.build(topology=topo, fingerprints=fp))
+    assert (inc.subject.kind, inc.ranks) == (SubjectKind.JOB, (0, 1, 2, 3))
+
+
+def test_restart_before_onset_is_flagged() -> None:
+    topo, domains = _layout(dp=4, pp=1)
+    fp = _fingerprints(domains, {(1, "rng_torch"): 30})
+    events = pl.DataFrame([{"rank": r, "attempt": 1, "wall_ns": 25 * S, "kind": "start"} for r in range(4)])
+    (inc,) = detect_divergence(Frames.build(topology=topo, fingerprints=fp, events=events))
+    assert "after_restart" in inc.fields and "restart" in inc.summary
+    (inc,) = detect_divergence(Frames.build(topology=topo, fingerprints=fp))
+    assert "after_restart" not in inc.fields
+
+
+def test_param_only_mismatch_is_corruption_not_divergence() -> None:
+    topo, domains = _layout(dp=4, pp=1)
+    fp = _fingerprints(domains, {(1, "param"): 30, (1, "optim"): 40})
+    frames = Frames.build(topology=topo, fingerprints=fp)
+    assert detect_divergence(frames) == ()
+    (inc,) = detect_corruption(frames)
+    assert (inc.klass, inc.subject.id, inc.cause, inc.onset_step) == (IncidentClass.CORRUPTION, "1", Cause.VALUE_MISMATCH, 30)
+    assert inc.fields == ("param", "optim")
+
+
+def test_shifted_step_counter() -> None:
+    topo, domains = _layout(dp=4, pp=1)
+    fp = _fingerprints(domains)
+    fp = fp.with_columns(pl.when((pl.col("rank") == 2) & (pl.col("step") >= 30)).then(pl.col("step") + 1)
+                         .otherwise(pl.col("step")).alias("step"))
+    (inc,) = detect_divergence(Frames.build(topology=topo, fingerprints=fp))
+    # reported at the common step it skipped (30), where the majority was
+    assert (inc.subject.id, inc.cause, inc.onset_step) == ("2", Cause.STEP_MISMATCH, 30)
+
+
+def test_agreement_and_single_member_domains_give_nothing() -> None:
+    topo, domains = _layout(dp=4, pp=2)
+    assert detect_divergence(Frames.build(topology=topo, fingerprints=_fingerprints(domains))) == ()
+    topo, domains = _layout(dp=1, pp=2)
+    fp = _fingerprints(domains, {(1, "rng_torch"): 10})
+    assert detect_divergence(Frames.build(topology=topo, fingerprints=fp)) == ()
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="min_majority_members"):
+        DivergenceConfig(min_majority_members=2)

@@ -1,0 +1,153 @@
+"""Fail-stop and hang culprits from hand-built frames shaped like the canary's real behaviour.
+
+Layout dp=2, tp=2: groups tp0=[0,1], tp1=[2,3], dp0=[0,2], dp1=[1,3]; heartbeat 1 s; steps 1 s long.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+
+from rankwatch.analytics.failstop import FailStopConfig, detect_failstops
+from rankwatch.analytics.frames import Frames
+from rankwatch.analytics.incidents import Cause, IncidentClass, SubjectKind
+
+S = 1_000_000_000
+GROUPS = {"tp0": [0, 1], "tp1": [2, 3], "dp0": [0, 2], "dp1": [1, 3]}
+
+
+def _steps(last: dict[int, int]) -> pl.DataFrame:
+    rows = [{"rank": r, "step": s, "start_wall_ns": s * S, "end_wall_ns": (s + 1) * S, "duration_ns": S}
+            for r, n in last.items() for s in range(n + 1)]
+    return pl.DataFrame(rows)
+
+
+def _liveness(last: dict[int, int], seen: dict[int, float], beat: dict[int, float] | None = None) -> pl.DataFrame:
+    beat = beat if beat is not None else seen
+    return pl.DataFrame([
+        {"rank": r, "attempt": 0, "last_step": n, "last_step_end_wall_ns": (n + 1) * S,
+         "last_heartbeat_wall_ns": int(beat[r] * S), "last_seen_wall_ns": int(seen[r] * S)}
+        for r, n in last.items()
+    ])
+
+
+def _coll(rank: int, group: str, seq: int, t: float, step: int = 10, op: str = "all_reduce") -> dict[str, object]:
+    return {"rank": rank, "step": step, "op": op, "group": group, "group_ranks": GROUPS[group], "group_seq": seq,
+            "enter_wall_ns": int(t * S), "exit_wall_ns": int(t * S), "error": "timeout"}
+
+
+def _ev(rank: int, kind: str, t: float, **kw: object) -> dict[str, object]:
+    return {"rank": rank, "attempt": 0, "wall_ns": int(t * S), "kind": kind, **kw}
+
+
+LAST = {0: 9, 1: 9, 2: 9, 3: 9}  # everyone completed step 9 (ends at 10 s); step 10 never completes
+
+
+def _peer_errors(culprit: int, t: float) -> tuple[pl.DataFrame, list[dict[str, object]]]:
+    """Survivors time out in their step-10 collective with the culprit (or with a survivor waiting on it)."""
+    blocked = {  # rank -> (group, group_seq) it timed out in; the diagonal rank waits on a waiting survivor
+        2: {0: ("dp0", 20), 3: ("tp1", 40), 1: ("dp1", 20)},
+        1: {0: ("tp0", 40), 3: ("dp1", 20), 2: ("dp0", 20)},
+    }[culprit]
+    rows, events = [], []
+    for r, (g, seq) in blocked.items():
+        rows.append(_coll(r, g, seq, t))
+        events.append(_ev(r, "exception", t + 0.01, exc_type="DistBackendError", collective_op="all_reduce",
+                          collective_group=g, collective_seq=seq))
+        events.append(_ev(r, "exit", t + 0.02, exit_code=1))
+    return pl.DataFrame(rows), events
+
+
+def test_exit_with_own_exception_event_blames_only_that_rank() -> None:
+    errors, events = _peer_errors(culprit=2, t=70)
+    events += [_ev(2, "exception", 10.2, exc_type="RuntimeError", message="boom"), _ev(2, "exit", 10.3, exit_code=1)]
+    frames = Frames.build(
+        steps=_steps(LAST), liveness=_liveness(LAST, {0: 70, 1: 70, 2: 10.3, 3: 70}),
+        collective_errors=errors, events=pl.DataFrame(events), end_wall_ns=71 * S,
+    )
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.kind, inc.subject.id, inc.cause) == (IncidentClass.FAIL_STOP, SubjectKind.RANK, "2", Cause.EXCEPTION)
+    assert inc.onset_step == inc.detection_step == 10
+    assert {e.source for e in inc.evidence} >= {"liveness", "events"}
+
+
+def test_exit_code_event_gives_exit_cause() -> None:
+    events = [_ev(1, "exit", 10.1, exit_code=3)]
+    frames = Frames.build(
+        steps=_steps(LAST), liveness=_liveness(LAST, {0: 30, 1: 10.1, 2: 30, 3: 30}),
+        open_collectives=pl.DataFrame([_coll(0, "tp0", 40, 10.05), _coll(3, "dp1", 20, 10.05)]),
+        events=pl.DataFrame(events), end_wall_ns=30 * S,
+    )
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.id, inc.cause) == (IncidentClass.FAIL_STOP, "1", Cause.EXIT)
+
+
+def test_sigkill_vanished_survivors_signals_are_not_culprits() -> None:
+    errors, events = _peer_errors(culprit=2, t=70)
+    events += [_ev(r, "signal", 82, signal=15) for r in (0, 1, 3)] + [_ev(r, "exit", 82.1, exit_code=143) for r in (0, 1, 3)]
+    frames = Frames.build(
+        steps=_steps(LAST), liveness=_liveness(LAST, {0: 82.1, 1: 82.1, 2: 10.4, 3: 82.1}),
+        collective_errors=errors, events=pl.DataFrame(events), end_wall_ns=83 * S,
+    )
+    incs = detect_failstops(frames)
+    assert [(i.klass, i.subject.id, i.cause) for i in incs] == [(IncidentClass.FAIL_STOP, "2", Cause.VANISHED)]
+
+
+@pytest.mark.parametrize("culprit_seen, klass, cause", [
+    (40.0, IncidentClass.HANG, Cause.STUCK_IN_STEP),       # heartbeats went on until everyone was killed
+    (10.3, IncidentClass.FAIL_STOP, Cause.VANISHED),       # it died long before the kill
+])
+def test_killed_all_at_once_culprit_from_open_collectives(culprit_seen: float, klass: IncidentClass, cause: Cause) -> None:
+    opened = pl.DataFrame([_coll(0, "dp0", 20, 10.1), _coll(3, "tp1", 40, 10.2), _coll(1, "dp1", 20, 10.3)])
+    frames = Frames.build(
+        steps=_steps(LAST), liveness=_liveness(LAST, {0: 40, 1: 40, 2: culprit_seen, 3: 40}),
+        open_collectives=opened, end_wall_ns=40 * S,
+    )
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.id, inc.cause) == (klass, "2", cause)
+    assert inc.onset_step == 10
+
+
+def test_hang_heartbeats_continue_peers_time_out_then_everyone_sigtermed() -> None:
+    errors, events = _peer_errors(culprit=1, t=70)
+    events += [_ev(r, "signal", 82, signal=15) for r in range(4)] + [_ev(r, "exit", 82.1, exit_code=143) for r in range(4)]
+    frames = Frames.build(
+        steps=_steps(LAST), liveness=_liveness(LAST, {0: 82.1, 1: 82.1, 2: 82.1, 3: 82.1}),
+        collective_errors=errors, events=pl.DataFrame(events), end_wall_ns=83 * S,
+    )
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.id, inc.cause) == (IncidentClass.HANG, "1", Cause.STUCK_IN_STEP)
+
+
+def test_stuck_inside_a_collective_the_group_moved_past() -> None:
+    opened = pl.DataFrame([_coll(1, "tp0", 5, 9.5, step=9), _coll(0, "tp0", 6, 10.1), _coll(2, "dp0", 20, 10.1),
+                           _coll(3, "tp1", 40, 10.1)])
+    last = {0: 9, 1: 8, 2: 9, 3: 9}
+    frames = Frames.build(steps=_steps(last), liveness=_liveness(last, {r: 40 for r in range(4)}),
+                          open_collectives=opened, end_wall_ns=40 * S)
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.id, inc.cause, inc.onset_step) == (IncidentClass.HANG, "1", Cause.STUCK_IN_COLLECTIVE, 9)
+
+
+def test_clean_finished_run_gives_nothing() -> None:
+    last = {r: 99 for r in range(4)}
+    events = [_ev(r, "exit", 100.5, exit_code=0) for r in range(4)]
+    frames = Frames.build(steps=_steps(last), liveness=_liveness(last, {r: 100.5 for r in range(4)}),
+                          events=pl.DataFrame(events), end_wall_ns=int(100.5 * S))
+    assert detect_failstops(frames) == ()
+    # the same run analyzed long after, without exit events: all ranks at the same last step, nothing open
+    frames = Frames.build(steps=_steps(last), liveness=_liveness(last, {r: 100.5 for r in range(4)}),
+                          end_wall_ns=1000 * S)
+    assert detect_failstops(frames) == ()
+
+
+def test_live_window_gives_nothing() -> None:
+    last = {0: 49, 1: 49, 2: 48, 3: 49}  # rank 2 a step behind and inside a collective right now
+    frames = Frames.build(steps=_steps(last), liveness=_liveness(last, {r: 50 for r in range(4)}),
+                          open_collectives=pl.DataFrame([_coll(2, "dp0", 98, 49.8, step=49)]), end_wall_ns=50 * S)
+    assert detect_failstops(frames) == ()
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="stall_heartbeats"):
+        FailStopConfig(stall_heartbeats=0)

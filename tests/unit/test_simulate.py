@@ -1,0 +1,224 @@
+"""The telemetry simulator writes the collector's schema, a consistent time model, and matching ground truth."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from rankwatch.analytics.incidents import Cause, IncidentClass, SubjectKind
+from rankwatch.analytics.store import connect, part_files
+from rankwatch.collector.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, storage_schema
+from rankwatch.trainer.parallel import Layout
+from rankwatch.simulator import SimConfig, parse_sim_fault, read_labels, simulate, standard_suite
+from rankwatch.simulator.faults import (
+    Corruption,
+    CorruptionKind,
+    Divergence,
+    DivergeField,
+    FailHow,
+    FailStop,
+    Hang,
+    Straggler,
+    StragglerCause,
+)
+
+LAYOUT = Layout(dp=4, tp=2, pp=2)
+
+
+def _cfg(*faults: object, steps: int = 40, **kw: object) -> SimConfig:
+    return SimConfig(layout=LAYOUT, hosts=4, steps=steps, faults=faults, fingerprint_every=10, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("clean")
+    simulate(_cfg(checkpoint_every=20, name="clean"), out)
+    return out
+
+
+def test_every_table_is_written_with_the_storage_schema_and_version(clean: Path) -> None:
+    con = connect(clean)  # checks every part's schema version
+    for table in Table:
+        files = part_files(clean, table)
+        assert len(files) == LAYOUT.world_size, table
+        schema = pq.read_schema(files[0])
+        assert schema.metadata[SCHEMA_VERSION_KEY] == str(SCHEMA_VERSION).encode()
+        assert schema.remove_metadata().equals(storage_schema(table).remove_metadata()), table
+        assert con.execute(f"select count(distinct rank) from {table}").fetchone() == (LAYOUT.world_size,)
+    assert not list(clean.rglob("*.tmp"))
+
+
+def test_steps_are_consistent_and_clean_fingerprints_agree(clean: Path) -> None:
+    con = connect(clean)
+    bad = con.execute(
+        "select count(*) from steps where duration_ns != compute_ns + collective_wait_ns + dataloader_wait_ns "
+        "+ checkpoint_ns or end_mono_ns - start_mono_ns != duration_ns or compute_ns <= 0"
+    ).fetchone()
+    assert bad == (0,)
+    assert con.execute("select count(*) from steps where checkpoint_ns > 0").fetchone() == (2 * LAYOUT.world_size,)
+    split = con.execute(
+        "select count(*) from (select domain, step, count(distinct param_hash) p, count(distinct optim_hash) o, "
+        "count(distinct rng_torch_hash) r, count(distinct data_position) d from fingerprints group by all) "
+        "where p > 1 or o > 1 or r > 1 or d > 1"
+    ).fetchone()
+    assert split == (0,)
+    # group_seq is the same across a group's members for the same all-reduce
+    mism = con.execute(
+        "select count(*) from (select \"group\", step, seq_min from (select \"group\", step, rank, min(group_seq) "
+        "seq_min from collectives where op = 'all_reduce' group by all) group by all having count(*) = 0)"
+    ).fetchone()
+    assert mism == (0,)
+    assert con.execute("select count(distinct group_seq) from collectives where \"group\" = 'dp.pp0.tp0' and step = 7").fetchone() == (1,)
+    exits = con.execute("select count(*) from events where kind = 'exit' and exit_code = 0").fetchone()
+    assert exits == (LAYOUT.world_size,)
+    assert con.execute("select count(*) from steps where loss is not null and rank < 8").fetchone() == (0,)
+
+
+def test_straggler_computes_longer_and_waits_less(tmp_path: Path) -> None:
+    simulate(_cfg(Straggler(rank=5, from_step=10, slow=0.2, cause=StragglerCause.THERMAL)), tmp_path)
+    con = connect(tmp_path)
+    rows = dict(
+        (r, (c, w))
+        for r, c, w in con.execute(
+            "select rank, avg(compute_ns), avg(collective_wait_ns) from steps where step >= 10 and rank in (4, 5) "
+            "group by rank"
+        ).fetchall()
+    )
+    assert rows[5][0] > 1.15 * rows[4][0]
+    assert rows[5][1] < rows[4][1]
+    throttled = con.execute("select min(sm_clock_mhz), bit_or(throttle_reasons) from gpu where rank = 5 and step >= 10").fetchone()
+    assert throttled is not None and throttled[0] < 1800 and throttled[1] & 0x40
+    label = read_labels(tmp_path).expected[0]
+    assert (label.klass, label.subject, label.cause) == (IncidentClass.STRAGGLER, "5", Cause.THERMAL_THROTTLE)
+
+
+def test_fail_stop_leaves_peers_in_flight_and_erroring(tmp_path: Path) -> None:
+    simulate(_cfg(FailStop(rank=6, step=20, how=FailHow.EXIT)), tmp_path)
+    con = connect(tmp_path)
+    assert con.execute("select max(step) from steps where rank = 6").fetchone() == (19,)
+    in_flight = con.execute(
+        "select count(distinct rank) from collectives where status = 'in_flight' and exit_wall_ns is null"
+    ).fetchone()
+    assert in_flight == (LAYOUT.world_size - 1,)
+    assert con.execute("select count(*) from collectives where rank = 6 and step >= 20").fetchone() == (0,)
+    errs = con.execute("select count(distinct rank) from collectives where status = 'error'").fetchone()
+    assert errs == (LAYOUT.world_size - 1,)
+    codes = dict(con.execute("select rank, exit_code from events where kind = 'exit'").fetchall())
+    assert codes[6] == 1 and all(c == 1 for c in codes.values())
+
+
+def test_killed_all_and_hang_write_no_exit_events(tmp_path: Path) -> None:
+    simulate(_cfg(FailStop(rank=3, step=20, how=FailHow.KILLED_ALL)), tmp_path / "k")
+    con = connect(tmp_path / "k")
+    assert con.execute("select count(*) from events where kind in ('exit', 'exception', 'signal')").fetchone() == (0,)
+    assert con.execute("select count(*) from collectives where status = 'error'").fetchone() == (0,)
+    simulate(_cfg(Hang(rank=9, step=20, killed=True)), tmp_path / "h")
+    con = connect(tmp_path / "h")
+    last = dict(con.execute("select rank, max(wall_ns) from events where kind = 'heartbeat' group by 1").fetchall())
+    steps_end = con.execute("select max(end_wall_ns) from steps where rank = 9").fetchone()
+    assert steps_end is not None and last[9] > steps_end[0] + 3_000_000_000  # still beating after its last step
+    assert con.execute("select count(*) from events where kind = 'exit'").fetchone() == (0,)
+    label = read_labels(tmp_path / "h").expected[0]
+    assert (label.klass, label.cause) == (IncidentClass.HANG, Cause.STUCK_IN_STEP)
+
+
+def test_divergence_and_corruption_traces_and_labels(tmp_path: Path) -> None:
+    faults = (
+        Divergence(ranks=(2,), step=10, field=DivergeField.RNG),
+        Corruption(rank=5, step=25, kind=CorruptionKind.NAN, hardware=True),
+    )
+    simulate(_cfg(*faults), tmp_path)
+    con = connect(tmp_path)
+    fp = con.execute(
+        "select step, count(distinct rng_torch_hash), count(distinct param_hash) from fingerprints "
+        "where domain = 'dp.pp0.tp0' group by step order by step"
+    ).fetchall()
+    assert fp[0][1:] == (1, 1) and fp[1][1:] == (2, 1) and fp[2][1:] == (2, 2)
+    assert con.execute("select bool_and(all_finite) from steps where step < 25").fetchone() == (True,)
+    first_bad = con.execute("select list(distinct rank) from steps where step = 25 and not all_finite").fetchone()
+    assert first_bad == ([5],)
+    assert con.execute("select count(*) from steps where step = 26 and all_finite").fetchone() == (0,)
+    hw = con.execute("select xid_events, ecc_dbe_volatile from gpu where rank = 5 and step = 25").fetchone()
+    assert hw == ([48], 1)
+    labels = read_labels(tmp_path)
+    got = {(x.klass, x.subject_kind, x.subject, x.cause, x.onset_step) for x in labels.expected}
+    assert got == {
+        (IncidentClass.DIVERGENCE, SubjectKind.RANK, "2", Cause.RNG_MISMATCH, 10),
+        (IncidentClass.CORRUPTION, SubjectKind.RANK, "5", Cause.HARDWARE_ERROR, 25),
+    }
+
+
+def test_replica_divergence_labels_follow_the_majority_rule(tmp_path: Path) -> None:
+    simulate(_cfg(Divergence(replica=1, step=10, field=DivergeField.DATA), steps=20), tmp_path / "r")
+    (label,) = read_labels(tmp_path / "r").expected
+    assert (label.subject_kind, label.subject, label.ranks) == (SubjectKind.REPLICA, "dp=1", (2, 3, 10, 11))
+    two = SimConfig(layout=Layout(dp=2, tp=2, pp=1), hosts=2, steps=20, fingerprint_every=10,
+                    faults=(Divergence(replica=1, step=10),))
+    simulate(two, tmp_path / "j")
+    (label,) = read_labels(tmp_path / "j").expected
+    assert (label.subject_kind, label.ranks) == (SubjectKind.JOB, (0, 1, 2, 3))
+
+
+def test_labels_round_trip(clean: Path) -> None:
+    labels = read_labels(clean)
+    assert labels.scenario == "clean" and labels.ranks == 16 and labels.expected == ()
+    assert [b.kind for b in labels.benign] == ["checkpoint_stall"]
+    assert read_labels(clean / "labels.json") == labels
+    (clean / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="bad.json"):
+        read_labels(clean / "bad.json")
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("nosuch:rank=1", "unknown kind"),
+        ("straggler:rank=1", "missing from=" if False else "missing slow="),
+        ("straggler:rank=x,slow=0.1", "rank='x'"),
+        ("straggler:rank=1,slow=3", "slow=3"),
+        ("fail_stop:rank=1,step=3,how=boom", "how='boom'"),
+        ("hang:rank=1,step=3,colour=red", "bad item"),
+    ],
+)
+def test_spec_errors_are_one_line_and_name_the_spec(spec: str, fragment: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_sim_fault(spec)
+    msg = str(info.value)
+    assert "\n" not in msg and spec in msg and fragment in msg
+
+
+def test_specs_parse() -> None:
+    assert parse_sim_fault("straggler:rank=5,from=100,slow=0.1,period=10,burst=2,cause=thermal") == Straggler(
+        rank=5, from_step=100, slow=0.1, period=10, burst=2, cause=StragglerCause.THERMAL)
+    assert parse_sim_fault("divergence:ranks=3+7,step=50,field=data") == Divergence(
+        ranks=(3, 7), step=50, field=DivergeField.DATA)
+    assert parse_sim_fault("hang:rank=2,step=9,killed=1") == Hang(rank=2, step=9, killed=True)
+
+
+def test_config_validation_is_one_line() -> None:
+    with pytest.raises(ValueError, match="rank 99 outside world size 16"):
+        _cfg(Straggler(rank=99, slow=0.1))
+
+
+def test_standard_suite_covers_every_class_and_cause() -> None:
+    from rankwatch.simulator.labels import labels_for
+
+    suite = standard_suite()
+    assert len(suite) >= 50 and len({s.name for s in suite}) == len(suite)
+    sizes = {s.config.world_size for s in suite}
+    assert min(sizes) == 64 and max(sizes) == 2048
+    labels = [labels_for(s.config, (1,)) for s in suite]
+    classes = {x.klass for lab in labels for x in lab.expected}
+    assert classes == set(IncidentClass) - {IncidentClass.UNCLASSIFIED}
+    causes = {x.cause for lab in labels for x in lab.expected}
+    assert {Cause.UNKNOWN, Cause.THERMAL_THROTTLE, Cause.POWER_THROTTLE, Cause.DATALOADER, Cause.SLOW_LINK,
+            Cause.STAGE_IMBALANCE, Cause.DATA_SKEW, Cause.EXIT, Cause.SIGNAL, Cause.VANISHED, Cause.STUCK_IN_STEP,
+            Cause.RNG_MISMATCH, Cause.DATA_POSITION_MISMATCH, Cause.STEP_MISMATCH, Cause.VALUE_MISMATCH,
+            Cause.NON_FINITE, Cause.GRAD_NORM_OUTLIER, Cause.HARDWARE_ERROR} <= causes
+    kinds = {x.subject_kind for lab in labels for x in lab.expected}
+    assert {SubjectKind.RANK, SubjectKind.HOST, SubjectKind.LINK, SubjectKind.STAGE, SubjectKind.REPLICA,
+            SubjectKind.DOMAIN, SubjectKind.JOB} <= kinds
+    controls = [lab for lab in labels if not lab.expected]
+    assert len(controls) >= 10 and all(lab.benign for lab in controls)

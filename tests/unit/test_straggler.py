@@ -1,0 +1,278 @@
+"""The straggler and imbalance detector on hand-built frames with seeded noise like the simulator's:
+per-step lognormal noise (sigma 1 %) and per-rank hardware factors (+-0.5 %)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+import pytest
+
+from rankwatch.analytics.frames import Frames
+from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, SubjectKind
+from rankwatch.analytics.straggler import StragglerConfig, detect_stragglers
+from rankwatch.collector.schema import ThrottleReason, link_name
+
+STEP_NS = 100_000_000  # 100 ms of compute per step
+
+
+@dataclass
+class Job:
+    """A synthetic run: `compute`, `dl`, `ck` are [rank, step] arrays in ns that tests edit before `frames()`."""
+
+    ranks: int = 64
+    steps: int = 300
+    pp: int = 2
+    hosts: int = 8
+    seed: int = 0
+    compute: np.ndarray = field(init=False)
+    dl: np.ndarray = field(init=False)
+    ck: np.ndarray = field(init=False)
+    throttle: np.ndarray = field(init=False)
+    clock: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        hw = rng.uniform(-0.005, 0.005, size=(self.ranks, 1))
+        noise = rng.lognormal(0.0, 0.01, size=(self.ranks, self.steps))
+        self.compute = STEP_NS * (1 + hw) * noise
+        self.dl = rng.uniform(0.5e6, 1.5e6, size=(self.ranks, self.steps))
+        self.ck = np.zeros((self.ranks, self.steps))
+        self.throttle = np.zeros((self.ranks, self.steps), dtype=np.int64)
+        self.clock = np.full((self.ranks, self.steps), 1980.0)
+        self.rng = rng
+
+    def slow(self, rank: int, factor: float, start: int = 0, end: int | None = None) -> None:
+        self.compute[rank, start:end] *= factor
+
+    def host_of(self, rank: int) -> str:
+        return f"host{rank // (self.ranks // self.hosts)}"
+
+    def stage_of(self, rank: int) -> int:
+        return rank // (self.ranks // self.pp)
+
+    def frames(self, **extra: pl.DataFrame) -> Frames:
+        r, s = np.meshgrid(np.arange(self.ranks), np.arange(self.steps), indexing="ij")
+        own = self.compute + self.dl + self.ck
+        wait = own.max(axis=0, keepdims=True) - own + 2e6
+        duration = own + wait
+        end = np.cumsum(duration.max(axis=0))[None, :].repeat(self.ranks, axis=0).astype(np.int64)
+        steps = pl.DataFrame({
+            "rank": r.ravel(), "step": s.ravel(), "attempt": 0,
+            "compute_ns": self.compute.ravel().astype(np.int64), "dataloader_wait_ns": self.dl.ravel().astype(np.int64),
+            "checkpoint_ns": self.ck.ravel().astype(np.int64), "collective_wait_ns": wait.ravel().astype(np.int64),
+            "duration_ns": duration.ravel().astype(np.int64), "end_wall_ns": end.ravel(),
+        })
+        topology = pl.DataFrame({
+            "rank": np.arange(self.ranks), "world_size": self.ranks,
+            "host": [self.host_of(i) for i in range(self.ranks)],
+            "pp": [self.stage_of(i) for i in range(self.ranks)],
+            "role": [f"pp={self.stage_of(i)}" for i in range(self.ranks)],
+            "device_uuid": [f"GPU-{i}" for i in range(self.ranks)],
+        })
+        gpu = pl.DataFrame({
+            "rank": r.ravel(), "step": s.ravel(), "samples": 1, "sm_clock_mhz": self.clock.ravel(),
+            "sm_clock_max_mhz": 1980.0, "throttle_reasons": self.throttle.ravel(),
+        })
+        lateness = pl.DataFrame({  # the rank everyone waited for is the latest and waited least
+            "rank": r.ravel(), "step": s.ravel(), "ops": 4, "wait_ns": wait.ravel().astype(np.int64),
+            "late_ns": (own - own.min(axis=0, keepdims=True)).ravel().astype(np.int64),
+            "last_arrivals": (own == own.max(axis=0, keepdims=True)).ravel().astype(np.int32) * 4,
+        })
+        return Frames.build(steps=steps, topology=topology, gpu=gpu, lateness=lateness, **extra)  # type: ignore[arg-type]
+
+
+def _timing(inc: Incident, true_onset: int) -> tuple[int, int]:
+    """(onset error, detection delay) of an incident against the injected onset."""
+    assert inc.onset_step is not None and inc.detection_step is not None
+    return abs(inc.onset_step - true_onset), inc.detection_step - true_onset
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_subtle_five_percent_straggler_found_early_with_its_onset(seed: int) -> None:
+    job = Job(seed=seed)
+    job.slow(37, 1.05, start=120)
+    incs = detect_stragglers(job.frames())
+    assert [(i.klass, i.subject.kind, i.subject.id) for i in incs] == [(IncidentClass.STRAGGLER, SubjectKind.RANK, "37")]
+    inc = incs[0]
+    err, delay = _timing(inc, 120)
+    assert err <= 3 and 0 <= delay <= 10
+    assert inc.detection_wall_ns is not None and inc.cause is Cause.UNKNOWN
+    assert 0.5 < inc.confidence <= 1.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_benign_two_percent_slow_hardware_is_no_incident(seed: int) -> None:
+    job = Job(seed=seed, steps=1000)
+    job.slow(5, 1.02)
+    assert detect_stragglers(job.frames()) == ()
+
+
+def test_intermittent_bursts_are_one_incident() -> None:
+    job = Job(seed=3)
+    for start in range(60, 300, 40):
+        job.slow(12, 1.30, start=start, end=start + 8)
+    incs = detect_stragglers(job.frames())
+    assert len(incs) == 1 and incs[0].subject.id == "12"
+    err, delay = _timing(incs[0], 60)
+    assert err <= 1 and delay <= 10
+    assert "bursts" in incs[0].summary
+
+
+def test_late_onset_is_caught_within_ten_steps() -> None:
+    job = Job(seed=4, steps=400)
+    job.slow(50, 1.08, start=370)
+    (inc,) = detect_stragglers(job.frames())
+    err, delay = _timing(inc, 370)
+    assert inc.subject.id == "50" and err <= 3 and delay <= 10
+
+
+def test_thermal_throttle_cause_from_gpu_bits_and_lowered_clock() -> None:
+    job = Job(seed=5)
+    job.slow(9, 1.15, start=100)
+    job.throttle[9, 100:] = int(ThrottleReason.HW_THERMAL_SLOWDOWN)
+    job.clock[9, 100:] = 1700.0
+    (inc,) = detect_stragglers(job.frames())
+    assert inc.subject.id == "9" and inc.cause is Cause.THERMAL_THROTTLE
+    assert any(e.source == "gpu" and e.rows for e in inc.evidence)
+
+
+def test_power_cap_cause() -> None:
+    job = Job(seed=6)
+    job.slow(40, 1.2, start=50)
+    job.throttle[40, 50:] = int(ThrottleReason.SW_POWER_CAP)
+    job.clock[40, 50:] = 1500.0
+    (inc,) = detect_stragglers(job.frames())
+    assert inc.cause is Cause.POWER_THROTTLE
+
+
+def test_throttle_bit_on_a_rank_that_is_not_slow_is_benign() -> None:
+    job = Job(seed=7)
+    job.throttle[3, :] = int(ThrottleReason.SW_POWER_CAP)
+    job.clock[3, :] = 1800.0
+    assert detect_stragglers(job.frames()) == ()
+
+
+def test_dataloader_rank() -> None:
+    job = Job(seed=8)
+    job.dl[20, 150:] += 0.12 * STEP_NS
+    (inc,) = detect_stragglers(job.frames())
+    assert inc.subject == inc.subject.__class__(kind=SubjectKind.RANK, id="20") and inc.cause is Cause.DATALOADER
+
+
+def test_host_dataloader_is_one_host_incident() -> None:
+    job = Job(seed=9)
+    for r in range(24, 32):  # host3
+        job.dl[r, 80:] += 0.10 * STEP_NS
+    incs = detect_stragglers(job.frames())
+    assert [(i.subject.kind, i.subject.id, i.cause) for i in incs] == [(SubjectKind.HOST, "host3", Cause.DATALOADER)]
+    err, delay = _timing(incs[0], 80)
+    assert incs[0].ranks == tuple(range(24, 32)) and err <= 3 and delay <= 10
+
+
+def _pp_groups(job: Job, slow: tuple[str, str] | None, start: int) -> dict[str, pl.DataFrame]:
+    """pp groups {r, r + 32} of a 2-stage job crossing host h <-> h+4, and their per-step transfer times."""
+    rng = np.random.default_rng(11)
+    half = job.ranks // 2
+    names, links, ranks = [], [], []
+    for r in range(half):
+        names.append(f"pp.dp{r // 4}.tp{r % 4}")
+        ranks.append([r, r + half])
+        links.append([link_name(job.host_of(r), job.host_of(r + half))])
+    groups = pl.DataFrame({"group": names, "kind": "pp", "ranks": ranks,
+                           "hosts": [[job.host_of(a), job.host_of(b)] for a, b in ranks], "links": links})
+    t = rng.lognormal(np.log(3e6), 0.05, size=(len(names), job.steps))
+    if slow is not None:
+        for g, (lk,) in enumerate(links):
+            if lk == link_name(*slow):
+                t[g, start:] *= 2.0
+    gi, si = np.meshgrid(np.arange(len(names)), np.arange(job.steps), indexing="ij")
+    gt = pl.DataFrame({"group": [names[i] for i in gi.ravel()], "kind": "pp", "step": si.ravel(), "ops": 2,
+                       "bytes": 1 << 20, "transfer_ns": t.ravel().astype(np.int64)})
+    return {"groups": groups, "group_transfer": gt}
+
+
+def test_slow_link_is_one_link_incident_and_no_rank_incidents() -> None:
+    job = Job(seed=10)
+    incs = detect_stragglers(job.frames(**_pp_groups(job, ("host1", "host5"), 90)))
+    assert len(incs) == 1
+    (inc,) = incs
+    assert (inc.subject.kind, inc.subject.id, inc.cause) == (SubjectKind.LINK, "host1<->host5", Cause.SLOW_LINK)
+    assert inc.ranks == tuple(range(8, 16)) + tuple(range(40, 48))
+    err, delay = _timing(inc, 90)
+    assert err <= 3 and delay <= 10
+
+
+def test_no_link_incident_without_a_slow_link() -> None:
+    job = Job(seed=10)
+    assert detect_stragglers(job.frames(**_pp_groups(job, None, 0))) == ()
+
+
+def test_stage_imbalance_is_a_stage_incident_and_no_rank_incident() -> None:
+    job = Job(seed=12, pp=4)
+    for r in range(32, 48):
+        job.slow(r, 1.3)
+    incs = detect_stragglers(job.frames())
+    assert [(i.klass, i.subject.kind, i.subject.id, i.cause) for i in incs] == [
+        (IncidentClass.IMBALANCE, SubjectKind.STAGE, "pp=2", Cause.STAGE_IMBALANCE)]
+    assert incs[0].ranks == tuple(range(32, 48))
+
+
+def test_random_data_skew_is_one_job_imbalance() -> None:
+    job = Job(seed=13, ranks=256, hosts=32)
+    for s in range(job.steps):
+        for r in job.rng.choice(job.ranks, size=2, replace=False):
+            job.compute[r, s] *= job.rng.uniform(1.2, 1.6)
+    incs = detect_stragglers(job.frames())
+    assert [(i.klass, i.subject.kind, i.cause) for i in incs] == [(IncidentClass.IMBALANCE, SubjectKind.JOB, Cause.DATA_SKEW)]
+    assert len(incs[0].ranks) > 100
+
+
+def test_checkpoint_stall_on_every_rank_is_benign() -> None:
+    job = Job(seed=14)
+    for s in range(25, job.steps, 50):
+        job.ck[:, s] = 5 * STEP_NS * job.rng.lognormal(0, 0.05, size=job.ranks)
+        job.dl[:, s + 1] += 0.3 * STEP_NS  # the input pipeline catches up after the stall, on everyone
+    assert detect_stragglers(job.frames()) == ()
+
+
+def test_slow_checkpoint_of_one_rank_is_checkpoint_io() -> None:
+    job = Job(seed=15)
+    for s in range(25, job.steps, 50):
+        job.ck[:, s] = 2 * STEP_NS * job.rng.lognormal(0, 0.05, size=job.ranks)
+        job.ck[17, s] *= 3
+    incs = detect_stragglers(job.frames())
+    assert [(i.subject.id, i.cause) for i in incs] == [("17", Cause.CHECKPOINT_IO)]
+    assert incs[0].onset_step == 25 and incs[0].detection_step == 75
+
+
+def test_clean_run_has_no_incident() -> None:
+    job = Job(seed=16, ranks=256, hosts=32, steps=300, pp=4)
+    assert detect_stragglers(job.frames()) == ()
+
+
+def test_the_straggler_is_not_the_rank_with_the_longest_collective_wait() -> None:
+    job = Job(seed=17)
+    job.slow(44, 1.10, start=30)
+    frames = job.frames()
+    (inc,) = detect_stragglers(frames)
+    waits = frames.steps.filter(pl.col("step") >= 30).group_by("rank").agg(pl.col("collective_wait_ns").sum())
+    longest = int(waits.sort("collective_wait_ns").get_column("rank")[-1])
+    shortest = int(waits.sort("collective_wait_ns").get_column("rank")[0])
+    assert inc.subject.id == "44" and longest != 44 and shortest == 44
+    assert any(e.source == "lateness" and e.rows for e in inc.evidence)
+
+
+def test_too_short_or_empty_runs_have_no_incident() -> None:
+    assert detect_stragglers(Frames.build()) == ()
+    job = Job(steps=5)
+    job.slow(1, 2.0)
+    assert detect_stragglers(job.frames()) == ()
+
+
+@pytest.mark.parametrize("kw", [{"sustain_count": 9}, {"score_window": 0}, {"cusum_threshold": 0.0},
+                                {"host_share": 1.5}, {"min_peers": 1}])
+def test_config_validation(kw: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="StragglerConfig"):
+        StragglerConfig(**kw)  # type: ignore[arg-type]
