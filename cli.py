@@ -168,6 +168,36 @@ def _localize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _watch(args: argparse.Namespace) -> int:
+    import time
+
+    from rankwatch.analytics.analyze import render_incidents
+    from rankwatch.analytics.live import LiveAnalyzer, LiveConfig
+
+    live = LiveAnalyzer(args.run_dir, LiveConfig(window_steps=args.window, anomaly=not args.no_anomaly))
+    reported: set[str] = set()
+    ticks = 0
+    print(f"rankwatch watch: {args.run_dir}, latest {args.window} steps every {args.every:g}s (Ctrl-C to stop)")
+    while True:
+        new_parts = live.refresh()
+        for w in live.warnings:
+            print(f"rankwatch watch: warning: {w}", file=sys.stderr)
+        live.warnings.clear()
+        if new_parts:
+            analysis = live.analyze()
+            fresh = [i for i in analysis.incidents if i.id not in reported]
+            reported.update(i.id for i in fresh)
+            took = sum(s for _, s in analysis.seconds)
+            print(f"[steps {analysis.first_step}..{analysis.last_step}] {new_parts} new part(s), "
+                  f"{len(analysis.incidents)} incident(s) in the window, {len(fresh)} new ({took:.1f}s)", flush=True)
+            if fresh:
+                print(render_incidents(fresh), flush=True)
+        ticks += 1
+        if args.count and ticks >= args.count:
+            return 0
+        time.sleep(args.every)
+
+
 def _telemetry(args: argparse.Namespace) -> int:
     _print_summary(args.run_dir)
     return 0
@@ -203,11 +233,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--checkpoint-every", type=int, default=0)
     sim.add_argument("--fingerprint-every", type=int, default=50)
     sim.add_argument("--no-phases", action="store_true", help="skip the (low-priority) phases table")
+    w = sub.add_parser("watch", help="live: re-analyze the latest window of a run as new part files appear")
+    w.add_argument("run_dir", type=Path)
+    w.add_argument("--window", type=int, default=20, metavar="STEPS")
+    w.add_argument("--every", type=float, default=5.0, metavar="SECONDS")
+    w.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0 = run until Ctrl-C)")
+    w.add_argument("--no-anomaly", action="store_true")
     lo = sub.add_parser("localize", help="does a recurring fault follow a device, a rank, a host or a link?")
     lo.add_argument("run_dirs", type=Path, nargs="+", help="runs (or restarts) of one job")
     args = parser.parse_args(argv)
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
-                "localize": _localize}
+                "localize": _localize, "watch": _watch}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # bad input: one line, no traceback

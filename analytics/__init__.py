@@ -9,6 +9,7 @@ from rankwatch.analytics.errors import AnalyticsError, RunDirError, SchemaVersio
 from rankwatch.analytics.failstop import FailStopConfig, detect_failstops
 from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind, read_incidents
+from rankwatch.analytics.live import LiveAnalyzer, LiveConfig
 from rankwatch.analytics.localize import FollowsKind, Localization, QuarantineCandidate, RunObservation, localize
 from rankwatch.analytics.queries import load_frames
 from rankwatch.analytics.store import RunStore, TableSummary, connect, open_run, table_summaries
@@ -16,7 +17,8 @@ from rankwatch.analytics.straggler import StragglerConfig, detect_stragglers
 
 __all__ = [
     "Analysis", "AnalysisConfig", "AnalyticsError", "AnomalyConfig", "Cause", "CorruptionConfig", "DivergenceConfig",
-    "Evidence", "FailStopConfig", "FollowsKind", "Frames", "Incident", "IncidentClass", "Localization",
+    "Evidence", "FailStopConfig", "FollowsKind", "Frames", "Incident", "IncidentClass", "LiveAnalyzer", "LiveConfig",
+    "Localization",
     "QuarantineCandidate", "RunDirError", "RunObservation", "RunStore", "SchemaVersionError", "StragglerConfig",
     "Subject", "SubjectKind", "TableSummary", "analyze", "connect", "detect_all", "detect_anomalies",
     "detect_corruption", "detect_divergence", "detect_failstops", "detect_stragglers", "load_frames", "localize",

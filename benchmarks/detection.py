@@ -1,6 +1,6 @@
 """Detection quality over the labeled suite of simulated scenarios.
 
-    .venv/bin/python benchmarks/detection.py [--only NAME_SUBSTRING] [--keep DIR] [--jobs N]
+    .venv/bin/python benchmarks/detection.py [--only NAME_SUBSTRING] [--keep DIR] [--jobs N] [--seed-offset K]
 
 For every scenario of `simulator.standard_suite()` it simulates the run, analyzes it exactly as
 `rankwatch analyze` does, and matches the incidents against the scenario's ground-truth labels:
@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +150,11 @@ def main() -> int:
     ap.add_argument("--only", default="", help="run scenarios whose name contains this")
     ap.add_argument("--keep", type=Path, default=None, help="simulate into this folder (default: a temp folder)")
     ap.add_argument("--jobs", type=int, default=2, help="scenarios in parallel")
+    ap.add_argument("--seed-offset", type=int, default=0,
+                    help="add this to every scenario's seed: the same faults over fresh noise (a held-out draw)")
     args = ap.parse_args()
-    suite = [s for s in standard_suite() if args.only in s.name]
+    suite = [Scenario(name=s.name, config=replace(s.config, seed=s.config.seed + args.seed_offset))
+             for s in standard_suite() if args.only in s.name]
     root = args.keep or Path(tempfile.mkdtemp(prefix="rankwatch-detection-"))
     sizes = sorted({s.config.world_size for s in suite})
     print(f"{len(suite)} scenarios, {min(sizes)}..{max(sizes)} ranks, "

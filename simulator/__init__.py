@@ -8,9 +8,9 @@ should find. It complements real canary runs; it does not replace them.
 from rankwatch.simulator.config import Scenario, SimConfig, standard_suite
 from rankwatch.simulator.faults import parse_sim_fault
 from rankwatch.simulator.labels import Labels, read_labels
-from rankwatch.simulator.simulate import SimResult, run_scenario, simulate
+from rankwatch.simulator.simulate import SimResult, run_scenario, simulate, split_tail
 
 __all__ = [
     "Labels", "Scenario", "SimConfig", "SimResult", "parse_sim_fault", "read_labels", "run_scenario", "simulate",
-    "standard_suite",
+    "split_tail", "standard_suite",
 ]

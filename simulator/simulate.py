@@ -10,6 +10,7 @@ The time model is in `model`, the faults in `faults`, the tables in `tables`, th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from rankwatch.collector.schema import TELEMETRY_DIR, Table
 from rankwatch.simulator.config import Scenario, SimConfig
@@ -66,3 +69,29 @@ def simulate(cfg: SimConfig, out: Path) -> SimResult:
 
 def run_scenario(scenario: Scenario, out: Path) -> SimResult:
     return simulate(scenario.config, out)
+
+
+def split_tail(run_dir: Path, from_step: int, staging: Path) -> int:
+    """Split every part file of a simulated run at `from_step`: rows of earlier steps (and rows without a step)
+    stay in the part, rows from `from_step` on go to a next part file written under `staging` at the same relative
+    path. Moving `staging`'s files into the run afterwards is what a live run does: new part files appear.
+    Returns the number of tail parts written."""
+    written = 0
+    for part in sorted((run_dir / TELEMETRY_DIR).glob("*/rank=*/part-*.parquet")):
+        data = pq.read_table(part)
+        if "step" not in data.column_names:
+            continue
+        late = pc.fill_null(pc.greater_equal(data.column("step"), from_step), False)
+        head, tail = data.filter(pc.invert(late)), data.filter(late)
+        if tail.num_rows == 0:
+            continue
+        meta = data.schema.metadata
+        nxt = part.with_name(f"part-{int(part.stem.split('-')[1]) + 1:06d}.parquet")
+        target = staging / nxt.relative_to(run_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(tail.replace_schema_metadata(meta), target, compression="zstd")
+        tmp = part.with_name(f".{part.name}.tmp")
+        pq.write_table(head.replace_schema_metadata(meta), tmp, compression="zstd")
+        os.replace(tmp, part)
+        written += 1
+    return written

@@ -94,3 +94,14 @@ def test_analyze_warns_about_a_cut_part_and_goes_on(tmp_path: Path, capsys: pyte
     warnings = [line for line in captured.err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and str(victim) in warnings[0] and "left out" in warnings[0]
     assert "no incidents" in captured.out
+
+
+def test_watch_reports_each_incident_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim"
+    assert main(["simulate", "--ranks", "16", "--hosts", "2", "--layout", "dp=4,tp=2,pp=2", "--steps", "60",
+                 "--out", str(out), "--fault", "straggler:rank=5,from=30,slow=0.3", "--no-phases"]) == 0
+    capsys.readouterr()
+    assert main(["watch", str(out), "--window", "40", "--every", "0", "--count", "2", "--no-anomaly"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum("straggler" in line and "rank:5" in line for line in lines) == 1
+    assert any(line.startswith("[steps 20..59]") for line in lines)

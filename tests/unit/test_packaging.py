@@ -58,6 +58,7 @@ EXPORTS = {
     "rankwatch.analytics": {
         "Analysis", "AnalysisConfig", "AnalyticsError", "AnomalyConfig", "Cause", "CorruptionConfig",
         "DivergenceConfig", "Evidence", "FailStopConfig", "FollowsKind", "Frames", "Incident", "IncidentClass",
+        "LiveAnalyzer", "LiveConfig",
         "Localization", "QuarantineCandidate", "RunDirError", "RunObservation", "RunStore", "SchemaVersionError",
         "StragglerConfig", "Subject", "SubjectKind", "TableSummary", "analyze", "connect", "detect_all",
         "detect_anomalies", "detect_corruption", "detect_divergence", "detect_failstops", "detect_stragglers",
@@ -68,7 +69,7 @@ EXPORTS = {
     "rankwatch.dashboard": set(),
     "rankwatch.simulator": {
         "Labels", "Scenario", "SimConfig", "SimResult", "parse_sim_fault", "read_labels", "run_scenario", "simulate",
-        "standard_suite",
+        "split_tail", "standard_suite",
     },
 }
 
