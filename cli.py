@@ -198,6 +198,21 @@ def _watch(args: argparse.Namespace) -> int:
         time.sleep(args.every)
 
 
+def _checkpoints(args: argparse.Namespace) -> int:
+    from rankwatch.trainer.catalog import list_checkpoints
+
+    if not args.run_dir.is_dir():
+        raise ValueError(f"{args.run_dir}: not a run directory (does not exist)")
+    candidates = list_checkpoints(args.run_dir, verify=args.verify)
+    how = "sizes and SHA-256 checked" if args.verify else "sizes checked (--verify also checks SHA-256)"
+    print(f"rankwatch checkpoints: {args.run_dir}: {len(candidates)} candidate(s), {how}")
+    for c in candidates:
+        print(f"  {c.path.name:<22} step {c.step:>8}  {c.verdict:<12} {c.reason}")
+    usable = [c for c in candidates if c.usable]
+    print(f"newest usable: {usable[0].path.name}" if usable else "no usable checkpoint")
+    return 0
+
+
 def _telemetry(args: argparse.Namespace) -> int:
     _print_summary(args.run_dir)
     return 0
@@ -239,11 +254,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("--every", type=float, default=5.0, metavar="SECONDS")
     w.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0 = run until Ctrl-C)")
     w.add_argument("--no-anomaly", action="store_true")
+    ck = sub.add_parser("checkpoints", help="every checkpoint candidate with its verdict (committed, partial, corrupt)")
+    ck.add_argument("run_dir", type=Path)
+    ck.add_argument("--verify", action="store_true", help="read every byte and check SHA-256, not only sizes")
     lo = sub.add_parser("localize", help="does a recurring fault follow a device, a rank, a host or a link?")
     lo.add_argument("run_dirs", type=Path, nargs="+", help="runs (or restarts) of one job")
     args = parser.parse_args(argv)
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
-                "localize": _localize, "watch": _watch}
+                "localize": _localize, "watch": _watch, "checkpoints": _checkpoints}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # bad input: one line, no traceback

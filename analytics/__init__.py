@@ -12,10 +12,16 @@ from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentCla
 from rankwatch.analytics.live import LiveAnalyzer, LiveConfig
 from rankwatch.analytics.localize import FollowsKind, Localization, QuarantineCandidate, RunObservation, localize
 from rankwatch.analytics.queries import load_frames
+from rankwatch.analytics.recovery import (
+    Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, GateVerdict, Idempotency, MembershipSupport,
+    RecurrenceView, decide,
+)
 from rankwatch.analytics.store import RunStore, TableSummary, connect, open_run, table_summaries
 from rankwatch.analytics.straggler import StragglerConfig, detect_stragglers
 
 __all__ = [
+    "Action", "CheckpointCatalogView", "CheckpointRef", "Decision", "GateResult", "GateVerdict", "Idempotency",
+    "MembershipSupport", "RecurrenceView", "decide",
     "Analysis", "AnalysisConfig", "AnalyticsError", "AnomalyConfig", "Cause", "CorruptionConfig", "DivergenceConfig",
     "Evidence", "FailStopConfig", "FollowsKind", "Frames", "Incident", "IncidentClass", "LiveAnalyzer", "LiveConfig",
     "Localization",

@@ -237,6 +237,41 @@ class GroupKind(StrEnum):
     OTHER = "other"
 
 
+class LineageKind(StrEnum):
+    """What a lineage entry (``<run>/lineage.jsonl``, written by trainer/lineage.py) records."""
+
+    START = "start"
+    RESTART = "restart"
+    ROLLBACK = "rollback"
+    REPLAYED_DATA_RANGE = "replayed_data_range"
+    WORLD_SIZE_CHANGE = "world_size_change"
+    LAYOUT_CHANGE = "layout_change"
+    DEVICE_REPLACED = "device_replaced"
+    DEVICE_QUARANTINED = "device_quarantined"
+    CODE_CHANGE = "code_change"
+    CONFIG_CHANGE = "config_change"
+
+
+class Comparability(StrEnum):
+    """Whether a recovered run's trajectory is expected to be bitwise what it would have been without the fault."""
+
+    BITWISE_IDENTICAL_EXPECTED = "bitwise_identical_expected"
+    CHANGED = "changed"
+
+
+class ChangeReason(StrEnum):
+    """Why a trajectory changed."""
+
+    ORDERING = "ordering"
+    """Reduction or sample order differs (different reduction tree, resharded sampler, pipeline schedule)."""
+    BATCH_COMPOSITION = "batch_composition"
+    """Which samples form a (micro)batch or go to which replica differs."""
+    NUMERICS = "numerics"
+    """Kernels, math splits or code differ, so values may differ in the last bits or more."""
+    HARDWARE = "hardware"
+    """A different physical device, whose kernels or autotuned choices may differ."""
+
+
 class ThrottleReason(IntFlag):
     """NVML clocks-event (throttle) reason bits, as ``nvmlClocksEventReason*`` defines them."""
 

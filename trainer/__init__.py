@@ -1,9 +1,17 @@
-"""rankwatch.trainer: the reference canary job, checkpoint saving, fault injection and the launcher."""
+"""rankwatch.trainer: the reference canary job, the checkpoint commit protocol and catalog, lineage, fault
+injection and the launcher."""
 
 from rankwatch.trainer.canary import CanaryConfig
+from rankwatch.trainer.catalog import Candidate, choose, list_checkpoints
+from rankwatch.trainer.checkpoint import CheckpointConfig, LoadResult, SaveResult, load_checkpoint, save_checkpoint
 from rankwatch.trainer.faults import Faults, parse_fault
 from rankwatch.trainer.launch import LaunchResult, launch
+from rankwatch.trainer.lineage import Lineage
 from rankwatch.trainer.model import ModelConfig
 from rankwatch.trainer.parallel import Hosts, Layout
 
-__all__ = ["CanaryConfig", "Faults", "Hosts", "LaunchResult", "Layout", "ModelConfig", "launch", "parse_fault"]
+__all__ = [
+    "CanaryConfig", "Candidate", "CheckpointConfig", "Faults", "Hosts", "LaunchResult", "Layout", "Lineage",
+    "LoadResult", "ModelConfig", "SaveResult", "choose", "launch", "list_checkpoints", "load_checkpoint", "parse_fault",
+    "save_checkpoint",
+]

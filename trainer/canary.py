@@ -32,7 +32,7 @@ from rankwatch.collector.collector import Collector, CollectorConfig
 from rankwatch.collector.collectives import GroupInfo
 from rankwatch.collector.gpu import ReplaySampler, open_sampler
 from rankwatch.collector.null import NullCollector
-from rankwatch.trainer.checkpoint import save_checkpoint
+from rankwatch.trainer.checkpoint import CheckpointConfig, CheckpointFault, current_versions, save_checkpoint
 from rankwatch.trainer.faults import FlipTarget, Faults
 from rankwatch.trainer.model import ModelConfig, ShardedLoader, Stage, SyntheticRegression
 from rankwatch.trainer.parallel import Hosts, Layout, build_groups
@@ -326,9 +326,11 @@ class _Rank:
         )
 
     def checkpoint(self, step: int) -> None:
-        state = {"model": self.stage.state_dict(), "optim": self.optimizer.state_dict()}
-        save_checkpoint(self.c, run_dir=self.cfg.run_dir, step=step, shard_key=f"pp{self.pp}.tp{self.tp}",
-                        state=state, rank=self.rank, group=self.groups.world)
+        # a save that fails (ENOSPC, ...) commits nothing on any rank and was recorded; training goes on
+        save_checkpoint(self.c, CheckpointConfig(fault=CheckpointFault.from_env()), run_dir=self.cfg.run_dir,
+                        step=step, rank=self.rank, layout=self.layout, group=self.groups.world, model=self.stage,
+                        optimizer=self.optimizer, data_position=self.loader.position,
+                        versions=current_versions(self.cfg))
 
     def run(self) -> None:
         ends: list[int] = []

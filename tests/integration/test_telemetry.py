@@ -58,7 +58,8 @@ def test_steps_are_complete_and_decomposed(clean_run: tuple[Path, tuple[int, ...
 def test_collectives_match_across_ranks(clean_run: tuple[Path, tuple[int, ...]]) -> None:
     run_dir, _ = clean_run
     ops = {r[0] for r in rows(run_dir, "SELECT DISTINCT op FROM collectives")}
-    assert ops == {"all_reduce", "send", "recv", "barrier"}
+    # all_gather_object: the checkpoint commit protocol's agreement on what every rank wrote
+    assert ops == {"all_reduce", "send", "recv", "barrier", "all_gather_object"}
     # (group, group_seq) names one operation: every member recorded it, with one op
     mismatched = rows(
         run_dir,
@@ -68,7 +69,7 @@ def test_collectives_match_across_ranks(clean_run: tuple[Path, tuple[int, ...]])
     assert mismatched == []
     assert rows(run_dir, "SELECT count(*) FROM collectives WHERE status <> 'ok' OR exit_wall_ns IS NULL") == [(0,)]
     assert rows(run_dir, "SELECT bool_and(async_op) FROM collectives WHERE \"group\" LIKE 'dp.%'") == [(True,)]
-    assert rows(run_dir, "SELECT min(bytes) > 0 FROM collectives WHERE op <> 'barrier'") == [(True,)]
+    assert rows(run_dir, "SELECT min(bytes) > 0 FROM collectives WHERE op NOT IN ('barrier', 'all_gather_object')") == [(True,)]
 
 
 def test_topology_has_pids_hosts_and_links(clean_run: tuple[Path, tuple[int, ...]]) -> None:
@@ -89,8 +90,10 @@ def test_gpu_checkpoint_and_fingerprints(clean_run: tuple[Path, tuple[int, ...]]
     run_dir, _ = clean_run
     assert rows(run_dir, "SELECT count(DISTINCT device_uuid), min(sm_clock_mhz) > 1000, max(throttle_reasons) FROM gpu") == [(8, True, 0)]
     phases = rows(run_dir, "SELECT step, phase, count(DISTINCT rank), bool_and(ok) FROM checkpoint_phases GROUP BY ALL ORDER BY ALL")
-    assert {(s, p) for s, p, _, _ in phases} == {(s, p) for s in (9, 19, 29) for p in ("snapshot", "write", "fsync", "publish")}
-    assert all(n == 8 and ok for _, _, n, ok in phases)
+    assert {(s, p) for s, p, _, _ in phases} == {
+        (s, p) for s in (9, 19, 29) for p in ("snapshot", "serialize", "write", "fsync", "publish")}
+    # every rank snapshots, serializes, writes and fsyncs its shard; rank 0 alone publishes the manifest
+    assert all(n == (1 if p == "publish" else 8) and ok for _, p, n, ok in phases)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000009", "step-00000019", "step-00000029"]
     # replicas of one shard agree on everything, at every fingerprinted step
     disagree = rows(

@@ -105,3 +105,12 @@ def test_watch_reports_each_incident_once(tmp_path: Path, capsys: pytest.Capture
     lines = capsys.readouterr().out.splitlines()
     assert sum("straggler" in line and "rank:5" in line for line in lines) == 1
     assert any(line.startswith("[steps 20..59]") for line in lines)
+
+
+def test_checkpoints_of_a_run_without_any(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["checkpoints", str(tmp_path / "nope")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    (tmp_path / "checkpoints" / ".step-00000004.tmp").mkdir(parents=True)
+    assert main(["checkpoints", str(tmp_path), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "1 candidate(s)" in out and "partial" in out and "no usable checkpoint" in out

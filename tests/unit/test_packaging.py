@@ -56,6 +56,8 @@ EXPORTS = {
         "fingerprint", "instrument_distributed", "open_sampler",
     },
     "rankwatch.analytics": {
+        "Action", "CheckpointCatalogView", "CheckpointRef", "Decision", "GateResult", "GateVerdict", "Idempotency",
+        "MembershipSupport", "RecurrenceView", "decide",
         "Analysis", "AnalysisConfig", "AnalyticsError", "AnomalyConfig", "Cause", "CorruptionConfig",
         "DivergenceConfig", "Evidence", "FailStopConfig", "FollowsKind", "Frames", "Incident", "IncidentClass",
         "LiveAnalyzer", "LiveConfig",
@@ -65,7 +67,11 @@ EXPORTS = {
         "load_frames", "localize", "open_run", "read_incidents", "render_incidents", "table_summaries",
         "write_analysis",
     },
-    "rankwatch.trainer": {"CanaryConfig", "Faults", "Hosts", "LaunchResult", "Layout", "ModelConfig", "launch", "parse_fault"},
+    "rankwatch.trainer": {
+        "CanaryConfig", "Candidate", "CheckpointConfig", "Faults", "Hosts", "LaunchResult", "Layout", "Lineage",
+        "LoadResult", "ModelConfig", "SaveResult", "choose", "launch", "list_checkpoints", "load_checkpoint",
+        "parse_fault", "save_checkpoint",
+    },
     "rankwatch.dashboard": set(),
     "rankwatch.simulator": {
         "Labels", "Scenario", "SimConfig", "SimResult", "parse_sim_fault", "read_labels", "run_scenario", "simulate",
