@@ -213,6 +213,30 @@ def _checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evidence(args: argparse.Namespace) -> int:
+    from rankwatch.analytics.analyze import ANALYSIS_DIR
+    from rankwatch.analytics.incidents import read_incidents
+    from rankwatch.trainer.catalog import list_checkpoints
+    from rankwatch.trainer.evidence import preserve_evidence
+
+    path = args.run_dir / ANALYSIS_DIR / "incidents.json"
+    if not path.exists():
+        raise ValueError(f"{path}: no analysis yet — run `rankwatch analyze {args.run_dir}` first")
+    incidents = [i for i in read_incidents(path) if not args.incident or i.id in args.incident]
+    unknown = set(args.incident) - {i.id for i in incidents}
+    if unknown:
+        raise ValueError(f"{path}: no incident {', '.join(sorted(unknown))}")
+    ckpts = [c.path.name.removeprefix(".").removesuffix(".tmp") for c in list_checkpoints(args.run_dir, verify=False)]
+    for inc in incidents:
+        b = preserve_evidence(args.run_dir, incident_id=inc.id, ranks=inc.ranks, checkpoint_ids=ckpts,
+                              note=f"{inc.klass} {inc.subject}: {inc.summary}")
+        print(f"{inc.id}: {len(b.files)} file(s), {b.bytes / 2**20:.1f} MiB in {b.path}"
+              + (f"; {len(b.missing)} missing" if b.missing else ""))
+    if not incidents:
+        print("no incidents: nothing to preserve")
+    return 0
+
+
 def _telemetry(args: argparse.Namespace) -> int:
     _print_summary(args.run_dir)
     return 0
@@ -257,11 +281,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ck = sub.add_parser("checkpoints", help="every checkpoint candidate with its verdict (committed, partial, corrupt)")
     ck.add_argument("run_dir", type=Path)
     ck.add_argument("--verify", action="store_true", help="read every byte and check SHA-256, not only sizes")
+    ev = sub.add_parser("evidence", help="copy the telemetry, events, topology and manifests behind incidents into <run>/evidence/<id>/")
+    ev.add_argument("run_dir", type=Path)
+    ev.add_argument("--incident", action="append", default=[], metavar="ID", help="only these incidents (default: all)")
     lo = sub.add_parser("localize", help="does a recurring fault follow a device, a rank, a host or a link?")
     lo.add_argument("run_dirs", type=Path, nargs="+", help="runs (or restarts) of one job")
     args = parser.parse_args(argv)
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
-                "localize": _localize, "watch": _watch, "checkpoints": _checkpoints}
+                "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,
+                "evidence": _evidence}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # bad input: one line, no traceback

@@ -114,3 +114,21 @@ def test_checkpoints_of_a_run_without_any(tmp_path: Path, capsys: pytest.Capture
     assert main(["checkpoints", str(tmp_path), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "1 candidate(s)" in out and "partial" in out and "no usable checkpoint" in out
+
+
+def test_evidence_of_analyzed_incidents(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim"
+    assert main(["evidence", str(out)]) == 2  # no run, no analysis: one line
+    assert capsys.readouterr().err.count("\n") == 1
+    assert main(["simulate", "--ranks", "16", "--hosts", "2", "--layout", "dp=4,tp=2,pp=2", "--steps", "60",
+                 "--out", str(out), "--fault", "straggler:rank=5,from=30,slow=0.3", "--no-phases"]) == 0
+    assert main(["analyze", str(out), "--quiet", "--no-anomaly"]) == 0
+    capsys.readouterr()
+    assert main(["evidence", str(out)]) == 0
+    line = capsys.readouterr().out.strip()
+    inc_id = line.split(":")[0]
+    bundle = out / "evidence" / inc_id
+    assert (bundle / "evidence.json").exists()
+    assert sorted(p.name for p in (bundle / "telemetry" / "steps").iterdir()) == ["rank=5"]  # the affected rank only
+    assert len(list((bundle / "telemetry" / "events").iterdir())) == 16  # events of every rank
+    assert main(["evidence", str(out), "--incident", "nope"]) == 2

@@ -68,9 +68,9 @@ EXPORTS = {
         "write_analysis",
     },
     "rankwatch.trainer": {
-        "CanaryConfig", "Candidate", "CheckpointConfig", "Faults", "Hosts", "LaunchResult", "Layout", "Lineage",
-        "LoadResult", "ModelConfig", "SaveResult", "choose", "launch", "list_checkpoints", "load_checkpoint",
-        "parse_fault", "save_checkpoint",
+        "CanaryConfig", "Candidate", "CheckpointConfig", "EvidenceBundle", "Faults", "Hosts", "LaunchResult",
+        "Layout", "Lineage", "LoadResult", "ModelConfig", "SaveResult", "choose", "launch", "list_checkpoints",
+        "load_checkpoint", "parse_fault", "preserve_evidence", "save_checkpoint", "verify_evidence",
     },
     "rankwatch.dashboard": set(),
     "rankwatch.simulator": {
