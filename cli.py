@@ -30,6 +30,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--no-collector", action="store_true", help="train without telemetry (overhead baseline)")
     p.add_argument("--timeout", type=float, default=None, help="terminate the job after this many seconds")
+    p.add_argument("--resume", action="store_true",
+                   help="resume from the newest usable checkpoint in --run-dir (train on to --steps)")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -52,6 +54,7 @@ def _train(args: argparse.Namespace) -> int:
         fingerprint_every=args.fingerprint_every,
         global_batch=args.global_batch,
         collector=not args.no_collector,
+        resume=args.resume,
     )
     print(f"rankwatch train: {cfg.world_size} ranks ({cfg.layout}) on {cfg.hosts} host(s), {cfg.steps} steps -> {cfg.run_dir}")
     for spec in cfg.faults.specs():

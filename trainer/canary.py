@@ -36,6 +36,7 @@ from rankwatch.trainer.checkpoint import CheckpointConfig, CheckpointFault, curr
 from rankwatch.trainer.faults import FlipTarget, Faults
 from rankwatch.trainer.model import ModelConfig, ShardedLoader, Stage, SyntheticRegression
 from rankwatch.trainer.parallel import Hosts, Layout, build_groups
+from rankwatch.trainer.resume import resume
 
 log = logging.getLogger("rankwatch.trainer")
 
@@ -87,6 +88,9 @@ class CanaryConfig:
     """Model size."""
     attempt: int = 0
     """Incarnation of this launch in the run directory."""
+    resume: bool = False
+    """Resume from the newest usable checkpoint in `run_dir` (`trainer.resume`): load it, pass the consistency
+    gate, and train from its step + 1 to `steps`."""
     record_step_times: bool = False
     """Write each rank's step end times (perf_counter ns, measured outside the collector), and its training
     thread's and process's CPU time at each step end, to <run>/step_times/rank-<r>.json: the same clocks for
@@ -195,6 +199,12 @@ class _Rank:
                                     global_batch=self.cfg.global_batch, dp=self.dp, dp_size=self.layout.dp)
         self.batches = self.c.wrap_loader(self.loader, position=lambda: self.loader.position)
         self.step = -1
+        self.start_step = 0
+        if self.cfg.resume:
+            resumed = resume(self.c, self.cfg, rank=self.rank, groups=self.groups, model=self.stage,
+                             optimizer=self.optimizer)
+            self.loader.position = resumed.load.data_position
+            self.start_step = resumed.next_step
 
     # -- communication (timed, with link faults inside the timed region) ------------------------------
     def _link_delay(self, info: GroupInfo) -> None:
@@ -336,7 +346,7 @@ class _Rank:
         ends: list[int] = []
         thread_cpu: list[int] = []
         process_cpu: list[int] = []
-        for step in range(self.cfg.steps):
+        for step in range(self.start_step, self.cfg.steps):
             self._step_start_faults(step)
             self.train_step(step)
             self.fingerprint(step, force=step == self.cfg.steps - 1)

@@ -264,7 +264,7 @@ def _clone(value: Any) -> Any:
     return value
 
 
-def _shard_key(layout: Layout, rank: int) -> str:
+def shard_key(layout: Layout, rank: int) -> str:
     _, tp, pp = layout.coords(rank)
     return f"pp{pp}.tp{tp}"
 
@@ -280,7 +280,7 @@ def _rng_state() -> dict[str, Any]:
     }
 
 
-def _set_rng_state(state: Mapping[str, Any]) -> None:
+def set_rng_state(state: Mapping[str, Any]) -> None:
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     name, keys, pos, has_gauss, gauss = state["numpy"]
@@ -335,7 +335,7 @@ def save_checkpoint(
 
     with collector.checkpoint_phase(step, ckpt, CheckpointPhase.SNAPSHOT) as rec:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        tensors = {_shard_key(layout, rank): _clone({"model": model_sd, "optim": optim_sd})}
+        tensors = {shard_key(layout, rank): _clone({"model": model_sd, "optim": optim_sd})}
         rank_state = {
             "rank": rank, "step": step, "world_size": world, "data_position": int(data_position), "rng": _rng_state(),
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
@@ -495,15 +495,15 @@ def load_checkpoint(
             raise ValueError(f"checkpoint {candidate.path}: {found[0]} (found while loading)")
     with collector.checkpoint_phase(step, ckpt, CheckpointPhase.LOAD) as rec:
         model_sd, optim_sd = get_state_dict(model, optimizer)  # a fresh optimizer gets zero state to load into
-        tensors: dict[str, dict[str, Any]] = {_shard_key(layout, rank): {"model": model_sd, "optim": optim_sd}}
+        tensors: dict[str, dict[str, Any]] = {shard_key(layout, rank): {"model": model_sd, "optim": optim_sd}}
         dcp.load(tensors, storage_reader=dcp.FileSystemReader(candidate.path / DCP_DIR), process_group=group)
-        loaded = tensors[_shard_key(layout, rank)]
+        loaded = tensors[shard_key(layout, rank)]
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         state = torch.load(candidate.path / rank_shard_name(rank), weights_only=True)
         if state["rank"] != rank or state["step"] != step or state["world_size"] != world:
             raise ValueError(f"checkpoint {candidate.path}: {rank_shard_name(rank)} holds rank {state['rank']} step "
                              f"{state['step']} of world {state['world_size']}, expected rank {rank} step {step}")
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         rec.bytes = _nbytes(tensors)
     return LoadResult(checkpoint_id=ckpt, step=step, data_position=int(state["data_position"]),
                       lr_scheduler=state["lr_scheduler"], grad_scaler=state["grad_scaler"], versions=manifest.versions)
