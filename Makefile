@@ -40,7 +40,7 @@ lint: typecheck
 
 docs: $(STAMP)
 	$(PY) -c "from rankwatch.collector.schema import render_markdown; print(render_markdown(), end='')" > docs/telemetry.md
-	$(PY) -m rankwatch.analytics.recovery docs/recovery.md
+	$(PY) -c "from pathlib import Path; from rankwatch.analytics.recovery import write_decision_doc; write_decision_doc(Path('docs/recovery.md'))"
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info $(MYPY_ROOT)

@@ -211,6 +211,8 @@ class EventKind(StrEnum):
     EXIT = "exit"
     WARNING = "warning"
     DROPS = "drops"
+    RECOVERY = "recovery"
+    """A recovery step: the checkpoint a resume chose (and why), a consistency-gate outcome."""
 
 
 class CollectiveStatus(StrEnum):
@@ -511,7 +513,7 @@ COLUMNS: dict[Table, tuple[ColumnSpec, ...]] = {
         _c(Events.ATTEMPT, _I32, "", _ATTEMPT_DOC),
         _c(Events.WALL_NS, _I64, "ns", "wall clock of the event"),
         _c(Events.MONO_NS, _I64, "ns", "monotonic clock of the event"),
-        _c(Events.KIND, _STR, "", "start | heartbeat | exception | signal | exit | warning | drops (schema.EventKind)"),
+        _c(Events.KIND, _STR, "", "start | heartbeat | exception | signal | exit | warning | drops | recovery (schema.EventKind)"),
         _c(Events.STEP, _I64, "step", "step in progress or last completed (null before the first)", True),
         _c(Events.PHASE, _STR, "", "phase in progress", True),
         _c(Events.EXC_TYPE, _STR, "", "exception type (exception events)", True),

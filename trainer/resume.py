@@ -194,7 +194,7 @@ def resume(collector: Any, cfg: CanaryConfig, *, rank: int, groups: RankGroups, 
     assert m is not None
     if rank == 0:
         print(f"rankwatch train: {chosen.describe()}", flush=True)
-        collector.event(EventKind.WARNING, message=chosen.describe()[:1000])
+        collector.event(EventKind.RECOVERY, message=chosen.describe()[:1000])
     if m.layout == cfg.layout:
         loaded = load_checkpoint(collector, chosen.chosen, rank=rank, layout=cfg.layout, group=groups.world,
                                  model=model, optimizer=optimizer)
@@ -209,7 +209,7 @@ def resume(collector: Any, cfg: CanaryConfig, *, rank: int, groups: RankGroups, 
     outcomes = run_gate(state, domains=domains, group=groups.world, world_size=world)
     for o in outcomes:
         if rank in o.ranks and (rank == 0 or o.domain != "world"):
-            collector.event(EventKind.WARNING, message=o.message()[:1000])
+            collector.event(EventKind.RECOVERY, message=o.message()[:1000])
     bad = [o for o in outcomes if o.verdict is not GateVerdict.AGREE]
     if bad:
         raise GateRefused(f"refusing to train: {bad[0].message()}"[:500])
