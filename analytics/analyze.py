@@ -104,11 +104,9 @@ def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), p
     timings.append(("load", time.perf_counter() - t0))
     progress(f"loaded {frames.steps.height} step rows from {frames.world_size} ranks")
     incidents = detect_all(frames, anomaly=config.anomaly, progress=progress, timings=timings)
-    steps = frames.steps["step"] if frames.steps.height else None
     return Analysis(
-        run_dir=run, incidents=incidents, ranks=frames.world_size,
-        first_step=int(steps.min()) if steps is not None else -1,  # type: ignore[arg-type]
-        last_step=int(steps.max()) if steps is not None else -1,  # type: ignore[arg-type]
+        run_dir=run, incidents=incidents, ranks=frames.world_size, first_step=frames.first_step,
+        last_step=frames.last_step,
         warnings=store.warnings, seconds=tuple(timings),
     )
 

@@ -134,6 +134,10 @@ class Frames:
         return int(self.steps["rank"].n_unique()) if self.steps.height else 0
 
     @property
+    def first_step(self) -> int:
+        return int(self.steps["step"].min()) if self.steps.height else -1  # type: ignore[arg-type]
+
+    @property
     def last_step(self) -> int:
         return int(self.steps["step"].max()) if self.steps.height else -1  # type: ignore[arg-type]
 

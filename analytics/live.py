@@ -17,10 +17,10 @@ from pathlib import Path
 import duckdb
 
 from rankwatch.analytics.analyze import Analysis, Progress, detect_all
-from rankwatch.analytics.errors import RunDirError, SchemaVersionError
+from rankwatch.analytics.errors import RunDirError
 from rankwatch.analytics.queries import load_frames
-from rankwatch.analytics.store import ANALYZED_TABLES, check_part, part_files
-from rankwatch.collector.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, EventKind, Table
+from rankwatch.analytics.store import ANALYZED_TABLES, parquet_source, part_files, readable_parts
+from rankwatch.collector.schema import EventKind, Table
 
 # Tables whose rows carry the step they belong to, trimmed to the latest `keep_steps`.
 _STEPPED = (Table.STEPS, Table.COLLECTIVES, Table.GPU, Table.CHECKPOINT_PHASES, Table.FINGERPRINTS)
@@ -64,11 +64,12 @@ class LiveAnalyzer:
             new = [f for f in part_files(self.run_dir, table) if f not in self._seen]
             if not new:
                 continue
-            good = self._readable(new)
+            readable, problems = readable_parts(self.con, new)
+            self.warnings.extend(f"{p} — left out for now" for p in problems)
+            good = [f for f in new if f in readable]
             if not good:
                 continue
-            listing = "[" + ", ".join("'" + str(f).replace("'", "''") + "'" for f in good) + "]"
-            source = f"read_parquet({listing}, hive_partitioning=true, union_by_name=true)"
+            source = parquet_source(good)
             if table in self._tables:
                 self.con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM {source}")
             else:
@@ -79,28 +80,6 @@ class LiveAnalyzer:
         if added:
             self._trim()
         return added
-
-    def _readable(self, files: list[Path]) -> list[Path]:
-        try:
-            rows = self.con.execute(
-                "SELECT file_name, decode(value) FROM parquet_kv_metadata($1) WHERE decode(key) = $2",
-                [[str(f) for f in files], SCHEMA_VERSION_KEY.decode()]).fetchall()
-            versions = {Path(name): value for name, value in rows}
-            if len(versions) == len(files) and all(v == str(SCHEMA_VERSION) for v in versions.values()):
-                return files
-        except duckdb.Error:
-            pass
-        good = []
-        for f in files:
-            try:
-                check_part(f)
-            except SchemaVersionError:
-                raise
-            except RunDirError as exc:
-                self.warnings.append(f"{exc} — left out for now")
-                continue
-            good.append(f)
-        return good
 
     def _trim(self) -> None:
         if Table.STEPS not in self._tables:
@@ -129,10 +108,8 @@ class LiveAnalyzer:
         timings.append(("load", time.perf_counter() - t0))
         incidents = detect_all(frames, anomaly=self.config.anomaly, progress=progress or (lambda _: None),
                                timings=timings)
-        steps = frames.steps["step"] if frames.steps.height else None
         return Analysis(
-            run_dir=self.run_dir, incidents=incidents, ranks=frames.world_size,
-            first_step=int(steps.min()) if steps is not None else -1,  # type: ignore[arg-type]
-            last_step=int(steps.max()) if steps is not None else -1,  # type: ignore[arg-type]
+            run_dir=self.run_dir, incidents=incidents, ranks=frames.world_size, first_step=frames.first_step,
+            last_step=frames.last_step,
             warnings=tuple(self.warnings), seconds=tuple(timings),
         )

@@ -90,20 +90,11 @@ def open_run(run_dir: Path | str, *, tables: Collection[Table] = ANALYZED_TABLES
     if not every:
         raise RunDirError(f"{tel}: no telemetry part files — the run recorded nothing (or was cut before its first flush)")
     con = duckdb.connect()
-    problems: dict[Path, Exception | None] = dict.fromkeys(every)
-    if not _versions_ok(con, every):
-        # Something is off: check file by file, to name each bad part.
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            problems = dict(zip(every, pool.map(_part_problem, every)))
-    warnings: list[str] = []
-    for problem in problems.values():
-        if isinstance(problem, SchemaVersionError):
-            raise problem
-        if problem is not None:
-            warnings.append(f"{problem} — left out of the analysis")
+    readable, problems = readable_parts(con, every, threads=threads)
+    warnings = [f"{p} — left out of the analysis" for p in problems]
     kept, present = 0, set()
     for table, files in by_table.items():
-        good = [f for f in files if problems[f] is None]
+        good = [f for f in files if f in readable]
         if good:
             # Every part was checked to carry this rankwatch's schema version, so all share one column set:
             # union by name (which reads every footer again at each query) is only needed across versions.
@@ -141,6 +132,29 @@ def materialize(store: RunStore, *, since_step: int | None = None) -> None:
         store.con.execute(f"ALTER TABLE _m_{table} RENAME TO {table}")
 
 
+def readable_parts(con: duckdb.DuckDBPyConnection, files: list[Path], *,
+                   threads: int = 8) -> tuple[set[Path], tuple[RunDirError, ...]]:
+    """The files that are readable parquet of this rankwatch's schema version, and one error per file that is not
+    (naming it). A part of another schema version raises `SchemaVersionError`: its columns could mean something
+    else. One fast pass over all footers; file by file only when that pass finds something off."""
+    if _versions_ok(con, files):
+        return set(files), ()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        problems = list(zip(files, pool.map(_part_problem, files)))
+    for _, problem in problems:
+        if isinstance(problem, SchemaVersionError):
+            raise problem
+    bad = tuple(p for _, p in problems if isinstance(p, RunDirError))
+    return {f for f, p in problems if p is None}, bad
+
+
+def parquet_source(files: list[Path], *, union_by_name: bool = True) -> str:
+    """A DuckDB `read_parquet(...)` over exactly `files`, hive-partitioned (rank from the path)."""
+    listing = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
+    by_name = "true" if union_by_name else "false"
+    return f"read_parquet([{listing}], hive_partitioning=true, union_by_name={by_name})"
+
+
 def _versions_ok(con: duckdb.DuckDBPyConnection, files: list[Path]) -> bool:
     """True when every file is readable parquet carrying this rankwatch's schema version (one fast pass over the
     footers in DuckDB); False when any is not, or the pass itself fails."""
@@ -156,7 +170,7 @@ def _versions_ok(con: duckdb.DuckDBPyConnection, files: list[Path]) -> bool:
     return bool(total == len(files) and matching == len(files))
 
 
-def _part_problem(path: Path) -> Exception | None:
+def _part_problem(path: Path) -> RunDirError | SchemaVersionError | None:
     try:
         check_part(path)
     except RunDirError as exc:
@@ -167,11 +181,7 @@ def _part_problem(path: Path) -> Exception | None:
 
 
 def _create_view(con: duckdb.DuckDBPyConnection, table: Table, files: list[Path], *, union_by_name: bool = True) -> None:
-    listing = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
-    by_name = "true" if union_by_name else "false"
-    con.execute(
-        f"CREATE VIEW {table} AS SELECT * FROM read_parquet([{listing}], hive_partitioning=true, union_by_name={by_name})"
-    )
+    con.execute(f"CREATE VIEW {table} AS SELECT * FROM {parquet_source(files, union_by_name=union_by_name)}")
 
 
 def table_summaries(run_dir: Path | str) -> list[TableSummary]:
