@@ -1,4 +1,5 @@
-"""The `rankwatch` command: train (the canary job), demo, telemetry (what a run holds), analyze (incidents)."""
+"""The `rankwatch` command: train (the canary job), demo, telemetry (what a run holds), analyze (incidents),
+recover (the narrowest safe recovery), and the tools around them."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=None, help="terminate the job after this many seconds")
     p.add_argument("--resume", action="store_true",
                    help="resume from the newest usable checkpoint in --run-dir (train on to --steps)")
+    p.add_argument("--supervise", type=int, default=0, metavar="N",
+                   help="recover the job up to N times: after each attempt, analyze, decide the narrowest safe "
+                        "recovery, preserve evidence and relaunch behind the consistency gate")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -59,7 +63,15 @@ def _train(args: argparse.Namespace) -> int:
     print(f"rankwatch train: {cfg.world_size} ranks ({cfg.layout}) on {cfg.hosts} host(s), {cfg.steps} steps -> {cfg.run_dir}")
     for spec in cfg.faults.specs():
         print(f"  fault {spec}")
-    result = launch(cfg, timeout_s=args.timeout)
+    if args.supervise:
+        from rankwatch.trainer.manager import supervise
+
+        out = supervise(cfg, max_recoveries=args.supervise, say=lambda m: print(f"rankwatch recover: {m}", flush=True),
+                        timeout_s=args.timeout)
+        print(f"rankwatch train: {len(out.records)} recovery(ies); {out.stopped}")
+        result = out.final
+    else:
+        result = launch(cfg, timeout_s=args.timeout)
     codes = ", ".join(f"{r}:{c}" for r, c in enumerate(result.exit_codes))
     print(f"rankwatch train: finished in {result.duration_s:.1f}s; exit codes {codes}")
     if result.terminated:
@@ -240,6 +252,25 @@ def _evidence(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recover(args: argparse.Namespace) -> int:
+    from rankwatch.trainer.manager import apply, assess, config_from_run, recurrence_from
+
+    cfg = config_from_run(args.run_dir)
+    recurrence = recurrence_from([args.run_dir, *args.history]) if args.history else None
+    plan = assess(args.run_dir, layout=cfg.layout, recurrence=recurrence)
+    print(f"rankwatch recover: {args.run_dir}: {len(plan.decided)} new incident(s)"
+          + (f", {len(plan.skipped)} already handled or older than the latest launch" if plan.skipped else ""))
+    for line in plan.lines():
+        print(f"  {line}")
+    if not args.apply:
+        if plan.relaunch or plan.quarantines:
+            print("dry run: nothing touched (--apply carries it out)")
+        return 0
+    rec = apply(cfg, plan, say=lambda m: print(f"rankwatch recover: {m}", flush=True), timeout_s=args.timeout)
+    print(f"rankwatch recover: {rec.id}: {rec.outcome}; record in {args.run_dir / 'recovery' / (rec.id + '.json')}")
+    return 0 if rec.ok else 1
+
+
 def _telemetry(args: argparse.Namespace) -> int:
     _print_summary(args.run_dir)
     return 0
@@ -289,10 +320,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ev.add_argument("--incident", action="append", default=[], metavar="ID", help="only these incidents (default: all)")
     lo = sub.add_parser("localize", help="does a recurring fault follow a device, a rank, a host or a link?")
     lo.add_argument("run_dirs", type=Path, nargs="+", help="runs (or restarts) of one job")
+    rc = sub.add_parser("recover", help="decide the narrowest safe recovery for a run's new incidents (--apply: do it)")
+    rc.add_argument("run_dir", type=Path)
+    rc.add_argument("--apply", action="store_true", help="preserve evidence, quarantine, retire and relaunch")
+    rc.add_argument("--history", type=Path, nargs="*", default=[], metavar="RUN",
+                    help="other runs of the job, for recurrence (does a fault follow a device, host or link?)")
+    rc.add_argument("--timeout", type=float, default=None, help="terminate a relaunch after this many seconds")
     args = parser.parse_args(argv)
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
                 "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,
-                "evidence": _evidence}
+                "evidence": _evidence, "recover": _recover}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # bad input: one line, no traceback

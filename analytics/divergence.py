@@ -93,10 +93,16 @@ def fingerprint_departures(frames: Frames, *, min_majority_members: int = 3) -> 
 
     # A shifted step counter: rows at steps fingerprinted by no more than half the domain, while the domain has
     # common steps after them (the newest, partially written step of a live run is not flagged).
+    # A rank that holds every common step and has extra ones did not shift its counter: its peers lost rows (a
+    # rank killed before its buffer reached disk), which a later replay's common steps would otherwise expose.
     common = pl.col("present") * 2 > pl.col("size")
     last_common = pl.col(Fingerprints.STEP).filter(common).max().over(Fingerprints.DOMAIN)
-    on_odd = fp.with_columns(last_common.alias("last_common")).filter(
+    n_common = pl.col(Fingerprints.STEP).filter(common).n_unique().over(Fingerprints.DOMAIN)
+    has_common = pl.col(Fingerprints.STEP).filter(common).n_unique().over(Fingerprints.DOMAIN, Fingerprints.RANK)
+    on_odd = fp.with_columns(last_common.alias("last_common"), n_common.alias("n_common"),
+                             has_common.alias("has_n_common")).filter(
         ~common & (pl.col(Fingerprints.STEP) < pl.col("last_common"))
+        & (pl.col("has_n_common").fill_null(0) < pl.col("n_common"))
     )
     if on_odd.height:
         # Report it at the common step the rank skipped (the majority's step at that moment) when there is one.

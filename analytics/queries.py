@@ -186,11 +186,14 @@ def checkpoints(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -
 
 
 def fingerprints(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
-    """State fingerprints as written."""
+    """State fingerprints, the latest one of each (rank, step): a step replayed after a rollback or restart is
+    fingerprinted again, and the replay supersedes the attempt it replaced (whose rows, compared with the replay's,
+    would read as a divergence that no longer exists; what it held is in the recovery's evidence bundle)."""
     if Table.FINGERPRINTS not in _tables(con):
         return conform("fingerprints", None)
     return conform("fingerprints", _frame(con, f"""
         SELECT * EXCLUDE (rank), rank::INTEGER AS rank FROM fingerprints WHERE true {_since(since_step)}
+        QUALIFY row_number() OVER (PARTITION BY rank, step ORDER BY wall_ns DESC) = 1
         ORDER BY step, rank"""))
 
 

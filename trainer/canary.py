@@ -91,6 +91,9 @@ class CanaryConfig:
     resume: bool = False
     """Resume from the newest usable checkpoint in `run_dir` (`trainer.resume`): load it, pass the consistency
     gate, and train from its step + 1 to `steps`."""
+    resume_from: str | None = None
+    """With `resume`: this checkpoint ('step-XXXXXXXX') instead of the newest usable one (a rollback to before an
+    incident's onset); it must be committed, verified and loadable, or the resume fails naming why."""
     record_step_times: bool = False
     """Write each rank's step end times (perf_counter ns, measured outside the collector), and its training
     thread's and process's CPU time at each step end, to <run>/step_times/rank-<r>.json: the same clocks for

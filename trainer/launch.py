@@ -8,6 +8,7 @@ SIGKILL. A rendezvous TCPStore lives in the launcher, on a port the OS picks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -67,6 +68,20 @@ def _record_launch(cfg: CanaryConfig) -> int:
             "checkpoint_every": cfg.checkpoint_every,
             "threads": cfg.threads,
             "collector": cfg.collector,
+            # the rest of the config, so a recovery manager can relaunch the same job (`manager.config_from_run`)
+            "model": dataclasses.asdict(cfg.model),
+            "global_batch": cfg.global_batch,
+            "microbatches": cfg.microbatches,
+            "lr": cfg.lr,
+            "gpu": cfg.gpu,
+            "pg_timeout_s": cfg.pg_timeout_s,
+            "fingerprint_every": cfg.fingerprint_every,
+            "flush_interval_s": cfg.flush_interval_s,
+            "heartbeat_interval_s": cfg.heartbeat_interval_s,
+            "gpu_interval_s": cfg.gpu_interval_s,
+            "backend": cfg.backend,
+            "resume": cfg.resume,
+            "resume_from": cfg.resume_from,
         }
     )
     tmp = path.with_suffix(".json.tmp")

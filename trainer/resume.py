@@ -55,11 +55,14 @@ class Plan:
     """Newest committed, SHA-256-verified checkpoint this layout can load."""
     rejected: tuple[Candidate, ...]
     """Newer candidates passed over, newest first, each with its reason."""
+    requested: bool = False
+    """The checkpoint was named by the caller (a rollback target), not the newest usable one."""
 
     def describe(self) -> str:
         m = self.chosen.manifest
         saved = f" (saved by {m.layout})" if m is not None else ""
-        text = f"resume from {self.chosen.checkpoint_id}{saved}: newest committed, verified, loadable checkpoint"
+        which = "the requested" if self.requested else "newest"
+        text = f"resume from {self.chosen.checkpoint_id}{saved}: {which} committed, verified, loadable checkpoint"
         if self.rejected:
             text += "; rejected newer: " + "; ".join(f"{c.path.name}: {c.verdict} ({c.reason})" for c in self.rejected)
         return text
@@ -84,12 +87,19 @@ def loadable(saved: Layout, job: Layout) -> str | None:
     return None
 
 
-def plan(run_dir: Path, *, layout: Layout) -> Plan:
+def plan(run_dir: Path, *, layout: Layout, checkpoint_id: str | None = None) -> Plan:
     """Choose like `catalog.choose`, but also accept a changed dp degree; ValueError naming every rejection when
-    nothing is usable."""
+    nothing is usable. With `checkpoint_id`, that checkpoint or a ValueError saying why it cannot be used (newer
+    candidates are then passed over as "not the requested checkpoint")."""
     chosen: Candidate | None = None
     rejected: list[Candidate] = []
-    for c in list_checkpoints(run_dir, verify=True):
+    candidates = list_checkpoints(run_dir, verify=True)
+    if checkpoint_id is not None:
+        wanted = [c for c in candidates if c.path.name == checkpoint_id]
+        if not wanted:
+            raise ValueError(f"{Path(run_dir) / 'checkpoints'}: no checkpoint {checkpoint_id} to resume from")
+        candidates = tuple(wanted)
+    for c in candidates:
         if c.usable and c.manifest is not None and (why := loadable(c.manifest.layout, layout)) is not None:
             c = dataclasses.replace(c, verdict=Verdict.INCOMPATIBLE, reason=why)
         if c.usable:
@@ -101,7 +111,7 @@ def plan(run_dir: Path, *, layout: Layout) -> Plan:
             raise ValueError(f"{Path(run_dir) / 'checkpoints'}: no checkpoint to resume from")
         raise ValueError(f"{Path(run_dir) / 'checkpoints'}: no usable checkpoint: "
                          + "; ".join(f"{c.path.name}: {c.verdict} ({c.reason})" for c in rejected))
-    return Plan(chosen=chosen, rejected=tuple(rejected))
+    return Plan(chosen=chosen, rejected=tuple(rejected), requested=checkpoint_id is not None)
 
 
 def last_completed_step(run_dir: Path, *, before_attempt: int) -> int | None:
@@ -183,7 +193,7 @@ def resume(collector: Any, cfg: CanaryConfig, *, rank: int, groups: RankGroups, 
     box: list[Any] = [None]
     if rank == 0:
         try:
-            box[0] = plan(cfg.run_dir, layout=cfg.layout)
+            box[0] = plan(cfg.run_dir, layout=cfg.layout, checkpoint_id=cfg.resume_from)
         except ValueError as exc:
             box[0] = str(exc)
     dist.broadcast_object_list(box, src=0, group=groups.world)

@@ -91,7 +91,8 @@ def test_public_surface_is_pinned(package: str) -> None:
 def test_import_arrows_point_one_way() -> None:
     """Arrows point one way: trainer -> collector, analytics -> collector; the simulator stands in for trainer +
     collector and labels with analytics' incident types; nothing but the cli and benchmarks import the simulator;
-    nothing imports dashboard."""
+    nothing imports dashboard. The one trainer module that takes analytics' alerts is the recovery manager (the
+    acting side receives incidents and decisions); the training processes never load the analysis stack."""
     everything = ("rankwatch.trainer", "rankwatch.analytics", "rankwatch.dashboard", "rankwatch.simulator")
     for pkg, banned in (("collector", everything),
                         ("analytics", ("rankwatch.trainer", "rankwatch.dashboard", "rankwatch.simulator")),
@@ -100,4 +101,14 @@ def test_import_arrows_point_one_way() -> None:
         for f in (ROOT / pkg).glob("*.py"):
             text = f.read_text()
             for b in banned:
+                if (pkg, f.name, b) == ("trainer", "manager.py", "rankwatch.analytics"):
+                    continue
                 assert f"import {b}" not in text and f"from {b}" not in text, f"{f} imports {b}"
+
+
+def test_training_processes_do_not_load_the_analysis_stack() -> None:
+    code = ("import sys, rankwatch.trainer, rankwatch.trainer.canary, rankwatch.trainer.launch; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('duckdb', 'polars', 'sklearn') "
+            "or m.startswith('rankwatch.analytics')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"

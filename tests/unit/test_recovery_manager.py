@@ -1,0 +1,187 @@
+"""The recovery manager's plan (joining decisions, escalating what the job cannot do, never narrowing) and its
+apply step against a fake launcher: evidence, quarantine list and lineage, retirement, records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, Subject, SubjectKind
+from rankwatch.analytics.localize import FollowsKind
+from rankwatch.analytics.recovery import (
+    Action, CheckpointCatalogView, CheckpointRef, GateResult, GateVerdict, Idempotency, MembershipSupport,
+    RecurrenceView,
+)
+from rankwatch.collector.schema import LineageKind
+from rankwatch.trainer.canary import CanaryConfig
+from rankwatch.trainer.catalog import CHECKPOINT_DIR
+from rankwatch.trainer.launch import RUN_FILE, LaunchResult
+from rankwatch.trainer.lineage import lineage_path, read, verify
+from rankwatch.trainer.manager import (
+    QUARANTINE_FILE, RECOVERY_DIR, JobDeclaration, apply, canary_declaration, config_from_run, plan_recovery,
+    quarantined,
+)
+from rankwatch.trainer.parallel import Layout
+
+pytestmark = pytest.mark.timeout(60)
+
+CANARY = canary_declaration(Layout(dp=2, tp=2))
+CATALOG = CheckpointCatalogView(committed=(CheckpointRef(id="step-00000004", step=4),
+                                           CheckpointRef(id="step-00000009", step=9)), partial=1)
+
+
+def _inc(klass: IncidentClass, *, ranks: tuple[int, ...] = (1,), onset: int | None = 10,
+         subject: Subject | None = None, cause: Cause = Cause.UNKNOWN) -> Incident:
+    return Incident(klass=klass, subject=subject or Subject(kind=SubjectKind.RANK, id=str(ranks[0])), ranks=ranks,
+                    onset_step=onset, detection_step=onset, confidence=0.9, cause=cause, summary="test")
+
+
+def test_canary_declares_what_it_is() -> None:
+    assert canary_declaration(Layout(dp=4)).membership is MembershipSupport.PURE_DP_RECONFIGURABLE_BATCH
+    assert CANARY.membership is MembershipSupport.FIXED_SHAPES
+    assert CANARY.idempotent is Idempotency.NOT_IDEMPOTENT
+    assert Action.RETRY_OPERATION not in CANARY.executable
+
+
+def test_a_straggler_alone_is_observed_and_nothing_relaunches() -> None:
+    plan = plan_recovery([_inc(IncidentClass.STRAGGLER)], job=CANARY, catalog=CATALOG)
+    assert plan.action is Action.OBSERVE and not plan.relaunch and plan.checkpoint is None
+    assert plan.lines()[-1] == "=> observe: nothing to recover"
+
+
+def test_fail_stop_restarts_from_the_newest_committed_checkpoint() -> None:
+    plan = plan_recovery([_inc(IncidentClass.FAIL_STOP)], job=CANARY, catalog=CATALOG)
+    assert plan.relaunch and plan.checkpoint == CheckpointRef(id="step-00000009", step=9)
+    assert not plan.escalations
+
+
+def test_joined_decisions_take_the_oldest_checkpoint_any_of_them_needs() -> None:
+    # the fail-stop alone would restart from step 9; a divergence with onset 7 needs a checkpoint before step 7
+    plan = plan_recovery([_inc(IncidentClass.FAIL_STOP), _inc(IncidentClass.DIVERGENCE, onset=7, ranks=(0, 1),
+                                                              subject=Subject(kind=SubjectKind.DOMAIN, id="dp0"))],
+                         job=CANARY, catalog=CATALOG)
+    assert plan.relaunch and plan.checkpoint is not None and plan.checkpoint.id == "step-00000004"
+    assert {d.decision.action for d in plan.decided} == {Action.RESTART_JOB, Action.ROLLBACK_DOMAIN}
+
+
+def test_no_clean_checkpoint_restarts_from_step_zero_even_when_another_decision_has_one() -> None:
+    plan = plan_recovery([_inc(IncidentClass.FAIL_STOP), _inc(IncidentClass.CORRUPTION, onset=3)],
+                         job=CANARY, catalog=CATALOG)
+    assert plan.relaunch and plan.checkpoint is None
+    assert "step 0" in plan.lines()[-1]
+
+
+def test_a_narrow_action_the_job_cannot_do_is_escalated_never_narrowed() -> None:
+    # proven agreement + idempotent + pure dp: the policy rebuilds the dp group; the canary cannot, so it restarts
+    job = JobDeclaration(membership=MembershipSupport.PURE_DP_RECONFIGURABLE_BATCH, idempotent=Idempotency.IDEMPOTENT)
+    gate = GateResult(verdict=GateVerdict.AGREE, domain="world", ranks=(0, 2, 3), spans_job=True)
+    plan = plan_recovery([_inc(IncidentClass.FAIL_STOP)], job=job, catalog=CATALOG, gate=gate)
+    assert plan.decided[0].decision.action is Action.REBUILD_GROUP
+    assert plan.relaunch and plan.checkpoint is not None and plan.checkpoint.id == "step-00000009"
+    assert len(plan.escalations) == 1 and "rebuild_group is not something this job can do" in plan.escalations[0]
+    # a job that can rebuild its group gets exactly that decision carried out (no escalation line)
+    able = JobDeclaration(membership=job.membership, idempotent=job.idempotent,
+                          executable=job.executable | {Action.REBUILD_GROUP})
+    assert not plan_recovery([_inc(IncidentClass.FAIL_STOP)], job=able, catalog=CATALOG, gate=gate).escalations
+
+
+def test_recurrence_on_a_device_quarantines_it_without_touching_the_job() -> None:
+    rec = {IncidentClass.STRAGGLER: RecurrenceView(klass=IncidentClass.STRAGGLER, follows=FollowsKind.DEVICE,
+                                                   id="GPU-aa", occurrences=3)}
+    plan = plan_recovery([_inc(IncidentClass.STRAGGLER)], job=CANARY, catalog=CATALOG, recurrence=rec)
+    assert plan.action is Action.QUARANTINE and not plan.relaunch
+    assert [str(t) for t, _ in plan.quarantines] == ["device:GPU-aa"]
+
+
+# ------------------------------------------------------------------------------------------------------- apply
+
+
+class FakeLauncher:
+    def __init__(self, ok: bool = True) -> None:
+        self.ok = ok
+        self.calls: list[CanaryConfig] = []
+
+    def __call__(self, cfg: CanaryConfig, **kw: Any) -> LaunchResult:
+        self.calls.append(cfg)
+        return LaunchResult(run_dir=Path(cfg.run_dir), exit_codes=(0, 0) if self.ok else (1, 1), pids=(1, 2),
+                            duration_s=0.1, terminated=())
+
+
+def _run(tmp_path: Path, steps: tuple[int, ...], *, partial: int | None = None) -> CanaryConfig:
+    run_dir = tmp_path / "run"
+    for s in steps:  # checkpoint directories (judged corrupt: an empty manifest); the fake launcher loads nothing
+        (run_dir / CHECKPOINT_DIR / f"step-{s:08d}").mkdir(parents=True)
+        (run_dir / CHECKPOINT_DIR / f"step-{s:08d}" / "manifest.json").write_text("{}")
+    if partial is not None:
+        (run_dir / CHECKPOINT_DIR / f".step-{partial:08d}.tmp").mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = CanaryConfig(run_dir=run_dir, steps=20, layout=Layout(dp=2), gpu="off")
+    (run_dir / RUN_FILE).write_text(json.dumps({"launches": [{"started_wall_ns": 1}]}))
+    return cfg
+
+
+def test_apply_a_rollback_retires_newer_and_partial_checkpoints_and_relaunches_behind_the_gate(tmp_path: Path) -> None:
+    cfg = _run(tmp_path, (4, 9), partial=12)
+    plan = plan_recovery([_inc(IncidentClass.DIVERGENCE, onset=7, ranks=(0, 1),
+                               subject=Subject(kind=SubjectKind.DOMAIN, id="dp0"))], job=CANARY, catalog=CATALOG)
+    launcher = FakeLauncher()
+    rec = apply(cfg, plan, launcher=launcher)
+    [again] = launcher.calls
+    assert again.resume and again.resume_from == "step-00000004" and not again.faults.specs()
+    names = sorted(p.name for p in (cfg.run_dir / CHECKPOINT_DIR).iterdir())
+    assert names == [".retired-step-00000009-corrupt-recovery-0001", ".retired-step-00000012-partial-recovery-0001",
+                     "step-00000004"]
+    assert rec.outcome == "recovered" and len(rec.evidence) == 1 and rec.evidence[0].is_dir()
+    doc = json.loads((cfg.run_dir / RECOVERY_DIR / "recovery-0001.json").read_text())
+    assert doc["checkpoint"] == "step-00000004" and doc["decisions"][0]["action"] == "rollback_domain"
+    assert doc["decisions"][0]["path"][-1].startswith("-> roll back")
+    assert not lineage_path(cfg.run_dir).exists()  # the resumed job records its own rollback once the gate agreed
+
+
+def test_apply_from_step_zero_records_the_restart_itself(tmp_path: Path) -> None:
+    cfg = _run(tmp_path, (4,))
+    plan = plan_recovery([_inc(IncidentClass.CORRUPTION, onset=2)], job=CANARY,
+                         catalog=CheckpointCatalogView(committed=(CheckpointRef(id="step-00000004", step=4),)))
+    launcher = FakeLauncher(ok=False)
+    rec = apply(cfg, plan, launcher=launcher)
+    assert not launcher.calls[0].resume and rec.outcome == "relaunch_failed" and not rec.ok
+    assert [e.kind for e in read(lineage_path(cfg.run_dir))] == [LineageKind.RESTART]
+    assert verify(lineage_path(cfg.run_dir)).ok
+    assert [p.name for p in (cfg.run_dir / CHECKPOINT_DIR).iterdir()] == [
+        ".retired-step-00000004-corrupt-recovery-0001"]
+
+
+def test_apply_quarantine_writes_the_list_and_lineage_once(tmp_path: Path) -> None:
+    cfg = _run(tmp_path, ())
+    rec = {IncidentClass.STRAGGLER: RecurrenceView(klass=IncidentClass.STRAGGLER, follows=FollowsKind.HOST,
+                                                   id="host1", occurrences=4)}
+    plan = plan_recovery([_inc(IncidentClass.STRAGGLER)], job=CANARY, catalog=CATALOG, recurrence=rec)
+    launcher = FakeLauncher()
+    first = apply(cfg, plan, launcher=launcher)
+    second = apply(cfg, plan, launcher=launcher)
+    assert not launcher.calls and first.outcome == "quarantined" and second.outcome == "observed"
+    assert [(e["kind"], e["id"]) for e in quarantined(cfg.run_dir)] == [("host", "host1")]
+    [entry] = read(lineage_path(cfg.run_dir))
+    assert entry.kind is LineageKind.DEVICE_QUARANTINED and entry.details.subject == "host:host1"
+    assert (cfg.run_dir / QUARANTINE_FILE).exists()
+    assert sorted(p.name for p in (cfg.run_dir / RECOVERY_DIR).iterdir()) == ["recovery-0001.json", "recovery-0002.json"]
+
+
+def test_config_from_run_names_what_an_old_run_file_lacks(tmp_path: Path) -> None:
+    cfg = _run(tmp_path, ())
+    with pytest.raises(ValueError, match=r"run.json: launch record lacks 'steps'"):
+        config_from_run(cfg.run_dir)
+    (cfg.run_dir / RUN_FILE).write_text("{")
+    with pytest.raises(ValueError, match=r"run.json: unreadable run file"):
+        config_from_run(cfg.run_dir)
+
+
+def test_recover_command_on_a_folder_that_is_no_run_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rankwatch.cli import main
+
+    assert main(["recover", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rankwatch recover: error: {tmp_path / RUN_FILE}: no run file — not a canary run directory"]

@@ -1,0 +1,544 @@
+"""The recovery manager: incidents in, the narrowest safe recovery out, applied, and the job back behind the gate.
+
+    assess(run, job)          analyze the run, decide for every new incident, join the decisions into one plan
+                              (a dry run: nothing is touched)
+    apply(cfg, plan)          evidence first, then quarantine, retire what the rollback passes over, relaunch,
+                              and a record in <run>/recovery/<id>.json
+    supervise(cfg)            launch the job; whenever an attempt ends, assess; act on what is new; repeat
+
+Per incident, `analytics.recovery.decide` gets the job's declaration (which membership change its algorithm
+supports, whether its failed operations are idempotent), the checkpoint catalog (committed and verified
+checkpoints only; partial and corrupt ones are counted as evidence), recurrence across runs when the caller has
+other runs of the job, and the consistency gate. The plan joins the decisions into one executed action: the
+broadest wins (a job restart covers a domain rollback), its checkpoint is the oldest any decision asked for (clean
+for every incident), and every quarantine is applied. An action the job cannot carry out is escalated, never
+narrowed: the canary relaunches every process, so a retry, a group rebuild, a replica restart or the rollback of a
+sub-domain becomes a job restart from the checkpoint the policy chose (or the newest committed one), and the plan
+says so.
+
+The gate: the manager acts after an attempt ended, so no process is left to answer a gate and `decide` gets none
+(agreement unproven) — it never takes a narrow branch on the manager's word alone. The gate runs where it can: in
+the relaunched job, which loads the checkpoint, all-gathers every rank's fingerprints and refuses to train unless
+every domain agrees (`trainer.resume`); a refusal ends the relaunch with a non-zero exit and the record says so.
+
+Nothing is retried blind: an attempt that failed with no incident that explains it is reported and left alone.
+Before a relaunch, committed checkpoints newer than the rollback target are retired (renamed out of the catalog,
+kept as evidence: they may hold the faulty state) and partial ones are moved aside (a re-save of the same step
+would otherwise replace them); their manifests are copied into every incident's evidence bundle first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from rankwatch.analytics.analyze import AnalysisConfig, analyze, observe_run, write_analysis
+from rankwatch.analytics.incidents import Incident, IncidentClass, sort_incidents
+from rankwatch.analytics.localize import FollowsKind, localize
+from rankwatch.analytics.recovery import (
+    Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, Idempotency, MembershipSupport,
+    RecurrenceView, ScopeKind, Target, TargetKind, decide,
+)
+from rankwatch.collector.schema import LineageKind, Steps, Table
+from rankwatch.collector.sink import partition_dir
+from rankwatch.trainer.canary import CanaryConfig
+from rankwatch.trainer.catalog import CHECKPOINT_DIR, Verdict, checkpoint_id, list_checkpoints
+from rankwatch.trainer.evidence import preserve_evidence
+from rankwatch.trainer.faults import Faults
+from rankwatch.trainer.launch import RUN_FILE, LaunchResult, launch
+from rankwatch.trainer.lineage import Details, Lineage, NewEntry, lineage_path
+from rankwatch.trainer.lineage import Verdict as LineageVerdict
+from rankwatch.trainer.model import ModelConfig
+from rankwatch.trainer.parallel import Layout
+from rankwatch.trainer.resume import last_completed_step
+
+__all__ = [
+    "QUARANTINE_FILE", "RECOVERY_DIR", "Decided", "JobDeclaration", "RecoveryPlan", "RecoveryRecord", "Supervised",
+    "apply", "assess", "canary_declaration", "catalog_view", "config_from_run", "plan_recovery", "quarantined",
+    "recurrence_from", "supervise",
+]
+
+RECOVERY_DIR = "recovery"
+QUARANTINE_FILE = "quarantine.json"
+
+# How much of the running job an action touches, narrowest first.
+_BREADTH: dict[Action, int] = {
+    Action.OBSERVE: 0, Action.QUARANTINE: 1, Action.RETRY_OPERATION: 2, Action.REBUILD_GROUP: 3,
+    Action.RESTART_REPLICA: 4, Action.ROLLBACK_DOMAIN: 5, Action.RESTART_JOB: 6,
+}
+_RELAUNCHING = frozenset(a for a, b in _BREADTH.items() if b >= _BREADTH[Action.RETRY_OPERATION])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobDeclaration:
+    """What the job says about itself; the policy never assumes more."""
+
+    membership: MembershipSupport
+    idempotent: Idempotency = Idempotency.UNKNOWN
+    """Whether the job's failing operations may be re-run (UNKNOWN is treated as not idempotent)."""
+    executable: frozenset[Action] = frozenset({Action.OBSERVE, Action.QUARANTINE, Action.RESTART_JOB})
+    """Actions the job can carry out; anything else is escalated to RESTART_JOB."""
+    domain_rollback: bool = False
+    """True when the job can reload a checkpoint into one consistency domain's living processes (a ROLLBACK_DOMAIN
+    narrower than the job); False: a domain rollback relaunches every process."""
+
+
+def canary_declaration(layout: Layout) -> JobDeclaration:
+    """The canary: a pure-dp layout can be resumed at another dp size (a reconfigurable global batch); any tp or pp
+    fixes the shapes. Its collectives are in-place all-reduces and its optimizer steps in place: not idempotent.
+    It relaunches every process to recover (no live membership change, no in-place retry)."""
+    pure_dp = layout.tp == 1 and layout.pp == 1 and layout.dp > 1
+    return JobDeclaration(
+        membership=MembershipSupport.PURE_DP_RECONFIGURABLE_BATCH if pure_dp else MembershipSupport.FIXED_SHAPES,
+        idempotent=Idempotency.NOT_IDEMPOTENT,
+    )
+
+
+def catalog_view(run_dir: Path, layout: Layout) -> CheckpointCatalogView:
+    """Committed, SHA-256-verified checkpoints this layout can load; partial and corrupt candidates counted."""
+    committed, partial, corrupt = [], 0, 0
+    for c in list_checkpoints(run_dir, verify=True, layout=layout, world_size=layout.world_size):
+        if c.verdict is Verdict.COMMITTED:
+            committed.append(CheckpointRef(id=c.path.name, step=c.step))
+        elif c.verdict is Verdict.PARTIAL:
+            partial += 1
+        elif c.verdict is Verdict.CORRUPT:
+            corrupt += 1
+    return CheckpointCatalogView(committed=tuple(committed), partial=partial, corrupt=corrupt)
+
+
+def recurrence_from(runs: Sequence[Path]) -> dict[IncidentClass, RecurrenceView]:
+    """Localization across `runs` (this run among them) per incident class: what a recurring fault follows."""
+    found = localize([observe_run(r) for r in runs])
+    return {loc.klass: RecurrenceView.from_localization(loc) for loc in found
+            if loc.follows is not FollowsKind.INCONCLUSIVE}
+
+
+# ----------------------------------------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decided:
+    incident: Incident
+    decision: Decision
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecoveryPlan:
+    """Every new incident's decision, and the one action the job will carry out for all of them."""
+
+    decided: tuple[Decided, ...]
+    action: Action
+    """OBSERVE (nothing to do), QUARANTINE (the running job is untouched) or RESTART_JOB."""
+    checkpoint: CheckpointRef | None
+    """RESTART_JOB from this checkpoint; None with RESTART_JOB: from step 0."""
+    quarantines: tuple[tuple[Target, str], ...]
+    """(what, the incident id behind it)."""
+    escalations: tuple[str, ...] = ()
+    """Why the executed action is broader than a decision asked for, one line each."""
+    skipped: tuple[str, ...] = ()
+    """Incident ids already acted on by an earlier recovery, or raised before the latest launch."""
+
+    @property
+    def relaunch(self) -> bool:
+        return self.action is Action.RESTART_JOB
+
+    def lines(self) -> list[str]:
+        out = []
+        for d in self.decided:
+            i, dec = d.incident, d.decision
+            out.append(f"{i.id} ({i.klass} {i.subject}): {dec.action}" + (f" {dec.target}" if dec.target else ""))
+            out.append(f"    path: {' | '.join(dec.path)}")
+            out.extend(f"    - {r}" for r in dec.reasons)
+        out.extend(f"escalated: {e}" for e in self.escalations)
+        for target, inc in self.quarantines:
+            out.append(f"quarantine {target} ({inc})")
+        if self.relaunch:
+            where = self.checkpoint.id if self.checkpoint is not None else "step 0 (no clean committed checkpoint)"
+            out.append(f"=> restart the job from {where}")
+        elif self.action is Action.QUARANTINE:
+            out.append("=> quarantine only; the job is not touched")
+        else:
+            out.append("=> observe: nothing to recover")
+        return out
+
+
+def plan_recovery(
+    incidents: Sequence[Incident],
+    *,
+    job: JobDeclaration,
+    catalog: CheckpointCatalogView,
+    gate: GateResult | None = None,
+    recurrence: Mapping[IncidentClass, RecurrenceView] | None = None,
+) -> RecoveryPlan:
+    """Decide for every incident and join the decisions (pure; see the module docstring)."""
+    decided = tuple(
+        Decided(incident=i, decision=decide(i, gate, idempotent=job.idempotent, membership=job.membership,
+                                            catalog=catalog, recurrence=(recurrence or {}).get(i.klass)))
+        for i in sort_incidents(incidents)
+    )
+    quarantines: dict[str, tuple[Target, str]] = {}
+    escalations: list[str] = []
+    relaunch = False
+    checkpoint: CheckpointRef | None = None
+    genesis = False
+    for d in decided:
+        for dec in (d.decision, *d.decision.also):
+            if dec.action is Action.QUARANTINE and dec.target is not None:
+                quarantines.setdefault(str(dec.target), (dec.target, d.incident.id))
+        dec = d.decision
+        if dec.action not in _RELAUNCHING:
+            continue
+        relaunch = True
+        target = dec.target if dec.target is not None and dec.target.kind is TargetKind.CHECKPOINT else None
+        narrow_domain = dec.action is Action.ROLLBACK_DOMAIN and dec.scope is not ScopeKind.JOB
+        if dec.action is Action.RESTART_JOB and target is None:
+            genesis = True
+        elif dec.action not in job.executable or (narrow_domain and not job.domain_rollback):
+            if target is None:
+                target_ref = catalog.newest()
+                if target_ref is None:
+                    genesis = True
+                    escalations.append(f"{d.incident.id}: {dec.action} is not something this job can do; no committed "
+                                       "checkpoint, so the job restarts from step 0")
+                    continue
+            else:
+                target_ref = CheckpointRef(id=target.id, step=int(target.step or 0))
+            what = f"{dec.action} of domain" if narrow_domain else str(dec.action)
+            escalations.append(f"{d.incident.id}: {what} is not something this job can do; every process relaunches "
+                               f"from {target_ref.id} instead (broader, never narrower)")
+            if checkpoint is None or target_ref.step < checkpoint.step:
+                checkpoint = target_ref
+            continue
+        if target is not None:
+            ref = CheckpointRef(id=target.id, step=int(target.step or 0))
+            if checkpoint is None or ref.step < checkpoint.step:
+                checkpoint = ref
+    if genesis:
+        checkpoint = None
+    action = Action.RESTART_JOB if relaunch else Action.QUARANTINE if quarantines else Action.OBSERVE
+    return RecoveryPlan(decided=decided, action=action, checkpoint=checkpoint if relaunch else None,
+                        quarantines=tuple(quarantines.values()), escalations=tuple(escalations))
+
+
+# --------------------------------------------------------------------------------------------------------- assess
+
+
+def _launches(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / RUN_FILE
+    if not path.exists():
+        raise ValueError(f"{path}: no run file — not a canary run directory")
+    try:
+        launches: list[dict[str, Any]] = json.loads(path.read_text())["launches"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: unreadable run file ({type(exc).__name__}: {exc})") from None
+    if not launches:
+        raise ValueError(f"{path}: records no launch")
+    return launches
+
+
+def _handled(run_dir: Path) -> set[str]:
+    ids: set[str] = set()
+    for rec in sorted((run_dir / RECOVERY_DIR).glob("recovery-*.json")):
+        try:
+            ids.update(json.loads(rec.read_text())["incidents"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{rec}: unreadable recovery record ({type(exc).__name__}: {exc})") from None
+    return ids
+
+
+def assess(
+    run_dir: Path,
+    *,
+    layout: Layout,
+    job: JobDeclaration | None = None,
+    recurrence: Mapping[IncidentClass, RecurrenceView] | None = None,
+    gate: GateResult | None = None,
+) -> RecoveryPlan:
+    """Analyze the run (writing <run>/analysis/incidents.*), keep the incidents that are new — raised in the
+    latest launch and not acted on by an earlier recovery — and plan. Touches nothing else."""
+    run_dir = Path(run_dir)
+    started = int(_launches(run_dir)[-1]["started_wall_ns"])
+    analysis = analyze(run_dir, config=AnalysisConfig())
+    write_analysis(analysis)
+    handled = _handled(run_dir)
+    new: list[Incident] = []
+    skipped: list[Incident] = []
+    for inc in analysis.incidents:
+        old = inc.detection_wall_ns is not None and inc.detection_wall_ns < started
+        (skipped if inc.id in handled or old else new).append(inc)
+    plan = plan_recovery(new, job=job or canary_declaration(layout), catalog=catalog_view(run_dir, layout), gate=gate,
+                         recurrence=recurrence)
+    return replace(plan, skipped=tuple(i.id for i in skipped))
+
+
+# ---------------------------------------------------------------------------------------------------------- apply
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecoveryRecord:
+    """What one recovery did, as written to <run>/recovery/<id>.json."""
+
+    id: str
+    plan: RecoveryPlan
+    evidence: tuple[Path, ...]
+    quarantined: tuple[str, ...]
+    retired: tuple[str, ...]
+    """Checkpoint directories moved out of the catalog (as '<old name> -> <new name>')."""
+    relaunch: LaunchResult | None
+    outcome: str
+
+    @property
+    def ok(self) -> bool:
+        return self.relaunch is None or self.relaunch.ok
+
+
+class Outcome(StrEnum):
+    OBSERVED = "observed"
+    QUARANTINED = "quarantined"
+    RECOVERED = "recovered"
+    RELAUNCH_FAILED = "relaunch_failed"
+
+
+def quarantined(run_dir: Path) -> tuple[dict[str, Any], ...]:
+    """The run's quarantine list (<run>/quarantine.json): every device, host or link taken out of placement."""
+    path = Path(run_dir) / QUARANTINE_FILE
+    if not path.exists():
+        return ()
+    try:
+        return tuple(json.loads(path.read_text())["entries"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: unreadable quarantine list ({type(exc).__name__}: {exc})") from None
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(doc, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _quarantine(run_dir: Path, plan: RecoveryPlan, rid: str) -> tuple[str, ...]:
+    entries = list(quarantined(run_dir))
+    have = {(e["kind"], e["id"]) for e in entries}
+    book = Lineage(lineage_path(run_dir))
+    done = []
+    for target, incident_id in plan.quarantines:
+        if (str(target.kind), target.id) in have:
+            continue
+        entries.append({"kind": str(target.kind), "id": target.id, "incident": incident_id, "recovery": rid,
+                        "wall_ns": time.time_ns()})
+        device = target.id if target.kind is TargetKind.DEVICE else None
+        book.append(NewEntry(kind=LineageKind.DEVICE_QUARANTINED, verdict=LineageVerdict.identical(
+            "the running job is unchanged; a later placement off it records device_replaced"),
+            details=Details(old_device=device, subject=None if device else str(target),
+                            text=f"{rid}: quarantine {target} for incident {incident_id}")))
+        done.append(str(target))
+    _write_json(run_dir / QUARANTINE_FILE, {"entries": entries})
+    return tuple(done)
+
+
+def _retire(run_dir: Path, checkpoint: CheckpointRef | None, rid: str) -> tuple[str, ...]:
+    """Move committed checkpoints newer than `checkpoint` (all of them from step 0) and every partial one out of
+    the catalog's names; they stay on disk as evidence."""
+    root = run_dir / CHECKPOINT_DIR
+    moved = []
+    for c in list_checkpoints(run_dir, verify=False):
+        newer = checkpoint is None or c.step > checkpoint.step
+        if c.verdict is Verdict.PARTIAL or (newer and c.path.name != getattr(checkpoint, "id", None)):
+            name = f".retired-{checkpoint_id(c.step)}-{c.verdict}-{rid}"
+            os.rename(c.path, root / name)
+            moved.append(f"{c.path.name} -> {name}")
+    return tuple(moved)
+
+
+def _next_id(run_dir: Path) -> str:
+    n = len(list((run_dir / RECOVERY_DIR).glob("recovery-*.json")))
+    return f"recovery-{n + 1:04d}"
+
+
+def apply(
+    cfg: CanaryConfig,
+    plan: RecoveryPlan,
+    *,
+    keep_faults: bool = False,
+    launcher: Callable[..., LaunchResult] = launch,
+    say: Callable[[str], None] = lambda _: None,
+    **launch_kw: Any,
+) -> RecoveryRecord:
+    """Carry out `plan` on the run of `cfg`: evidence for every incident acted on, quarantines (list + lineage),
+    then for a restart: retire what the rollback passes over, record a restart from step 0 in lineage when there is
+    no checkpoint (a resume records its own), and relaunch — behind the consistency gate when resuming. The
+    injected faults are not re-injected unless `keep_faults` (they stood for a transient fault)."""
+    run_dir = Path(cfg.run_dir)
+    rid = _next_id(run_dir)
+    acted = [d for d in plan.decided if plan.relaunch or d.decision.action is not Action.OBSERVE
+             or any(a.action is Action.QUARANTINE for a in d.decision.also)]
+    ckpts = [c.path.name for c in list_checkpoints(run_dir, verify=False)]
+    evidence = []
+    for d in acted:
+        b = preserve_evidence(run_dir, incident_id=d.incident.id, ranks=d.incident.ranks, checkpoint_ids=[
+            c.removeprefix(".").removesuffix(".tmp") for c in ckpts],
+            note=f"{rid}: {d.decision.action}: {' | '.join(d.decision.path)}")
+        evidence.append(b.path)
+        say(f"{rid}: evidence for {d.incident.id}: {len(b.files)} file(s) in {b.path}")
+    done = _quarantine(run_dir, plan, rid) if plan.quarantines else ()
+    for q in done:
+        say(f"{rid}: quarantined {q} (a virtual canary placement cannot move; a scheduler must exclude it)")
+    retired: tuple[str, ...] = ()
+    result: LaunchResult | None = None
+    if plan.relaunch:
+        retired = _retire(run_dir, plan.checkpoint, rid)
+        for r in retired:
+            say(f"{rid}: retired checkpoint {r}")
+        faults = cfg.faults if keep_faults else Faults()
+        if plan.checkpoint is None:
+            last = last_completed_step(run_dir, before_attempt=len(_launches(run_dir)))
+            book = Lineage(lineage_path(run_dir))
+            book.append(NewEntry(kind=LineageKind.RESTART, verdict=LineageVerdict.identical(
+                "same layout, devices, code and seed from step 0"), details=Details(
+                from_step=last, to_step=0, text=f"{rid}: restart from step 0 (no clean committed checkpoint)")))
+            if last is not None:
+                book.append(NewEntry(kind=LineageKind.REPLAYED_DATA_RANGE, verdict=LineageVerdict.identical(),
+                                     details=Details(from_step=0, to_step=last + 1,
+                                                     text=f"steps 0..{last} are trained again")))
+            again = replace(cfg, faults=faults, resume=False, resume_from=None)
+        else:
+            again = replace(cfg, faults=faults, resume=True, resume_from=plan.checkpoint.id)
+        say(f"{rid}: relaunching {again.world_size} ranks from "
+            f"{plan.checkpoint.id if plan.checkpoint else 'step 0'}")
+        result = launcher(again, **launch_kw)
+        outcome = Outcome.RECOVERED if result.ok else Outcome.RELAUNCH_FAILED
+    else:
+        outcome = Outcome.QUARANTINED if done else Outcome.OBSERVED
+    record = RecoveryRecord(id=rid, plan=plan, evidence=tuple(evidence), quarantined=done, retired=retired,
+                            relaunch=result, outcome=str(outcome))
+    _write_json(run_dir / RECOVERY_DIR / f"{rid}.json", _record_json(record))
+    return record
+
+
+def _record_json(r: RecoveryRecord) -> dict[str, Any]:
+    p = r.plan
+    return {
+        "id": r.id,
+        "wall_ns": time.time_ns(),
+        "incidents": [d.incident.id for d in p.decided],
+        "action": str(p.action),
+        "checkpoint": None if p.checkpoint is None else p.checkpoint.id,
+        "decisions": [{
+            "incident": d.incident.id, "class": str(d.incident.klass), "subject": str(d.incident.subject),
+            "action": str(d.decision.action), "target": None if d.decision.target is None else str(d.decision.target),
+            "path": list(d.decision.path), "reasons": list(d.decision.reasons),
+            "lineage": {"comparability": str(d.decision.lineage.comparability),
+                        "changed": [str(c) for c in d.decision.lineage.changed]},
+        } for d in p.decided],
+        "escalations": list(p.escalations),
+        "skipped": list(p.skipped),
+        "evidence": [str(e) for e in r.evidence],
+        "quarantined": list(r.quarantined),
+        "retired": list(r.retired),
+        "relaunch": None if r.relaunch is None else {"exit_codes": list(r.relaunch.exit_codes),
+                                                     "duration_s": round(r.relaunch.duration_s, 3)},
+        "outcome": r.outcome,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ supervise
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Supervised:
+    first: LaunchResult
+    records: tuple[RecoveryRecord, ...]
+    final: LaunchResult
+    stopped: str
+    """Why supervision ended, one line."""
+
+    @property
+    def ok(self) -> bool:
+        return self.final.ok
+
+
+def supervise(
+    cfg: CanaryConfig,
+    *,
+    max_recoveries: int = 3,
+    job: JobDeclaration | None = None,
+    recurrence: Mapping[IncidentClass, RecurrenceView] | None = None,
+    launcher: Callable[..., LaunchResult] = launch,
+    say: Callable[[str], None] = lambda _: None,
+    **launch_kw: Any,
+) -> Supervised:
+    """Launch the job and recover it until an attempt ends with nothing new to act on, or `max_recoveries`."""
+    if max_recoveries < 0:
+        raise ValueError(f"max_recoveries {max_recoveries}: must be >= 0")
+    first = result = launcher(cfg, **launch_kw)
+    records: list[RecoveryRecord] = []
+    while True:
+        plan = assess(Path(cfg.run_dir), layout=cfg.layout, job=job, recurrence=recurrence)
+        for line in plan.lines():
+            say(line)
+        if not plan.relaunch:
+            if plan.quarantines:
+                records.append(apply(cfg, plan, launcher=launcher, say=say, **launch_kw))
+            stopped = ("attempt completed" if result.ok else
+                       "attempt failed and no incident explains it: not retried blind")
+            break
+        if len(records) >= max_recoveries:
+            stopped = f"gave up after {max_recoveries} recoveries"
+            break
+        rec = apply(cfg, plan, launcher=launcher, say=say, **launch_kw)
+        records.append(rec)
+        assert rec.relaunch is not None
+        result = rec.relaunch
+        if not result.ok and not _trained(Path(cfg.run_dir)):
+            stopped = f"{rec.id}: relaunch failed before training (the consistency gate refused, or nothing loads)"
+            break
+    return Supervised(first=first, records=tuple(records), final=result, stopped=stopped)
+
+
+def _trained(run_dir: Path) -> bool:
+    """True when the latest attempt completed at least one step (its rows in the steps telemetry)."""
+    attempt = len(_launches(run_dir)) - 1
+    root = partition_dir(run_dir, Table.STEPS, 0).parent
+    for part in root.glob("*/part-*.parquet"):
+        try:
+            attempts = pq.read_table(part, columns=[str(Steps.ATTEMPT)]).column(0).to_pylist()
+        except Exception:  # a part cut short by a killed rank: the other parts decide
+            continue
+        if attempt in attempts:
+            return True
+    return False
+
+
+# ------------------------------------------------------------------------------------------------------- run files
+
+
+def config_from_run(run_dir: Path) -> CanaryConfig:
+    """The latest launch's config as <run>/run.json recorded it (faults left out: a relaunch does not re-inject)."""
+    last = _launches(Path(run_dir))[-1]
+    try:
+        return CanaryConfig(
+            run_dir=Path(run_dir), steps=int(last["steps"]), layout=Layout.parse(last["layout"], nproc=last["world_size"]),
+            hosts=int(last["hosts"]), seed=int(last["seed"]), checkpoint_every=int(last["checkpoint_every"]),
+            threads=int(last["threads"]), collector=bool(last["collector"]),
+            model=ModelConfig(**last["model"]), global_batch=int(last["global_batch"]),
+            microbatches=int(last["microbatches"]), lr=float(last["lr"]), gpu=str(last["gpu"]),
+            pg_timeout_s=float(last["pg_timeout_s"]), fingerprint_every=int(last["fingerprint_every"]),
+            flush_interval_s=float(last["flush_interval_s"]), heartbeat_interval_s=float(last["heartbeat_interval_s"]),
+            gpu_interval_s=float(last["gpu_interval_s"]), backend=last["backend"],
+        )
+    except KeyError as exc:
+        raise ValueError(f"{Path(run_dir) / RUN_FILE}: launch record lacks {exc} (written by an older rankwatch)") from None
+
