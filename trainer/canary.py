@@ -91,6 +91,9 @@ class CanaryConfig:
     resume: bool = False
     """Resume from the newest usable checkpoint in `run_dir` (`trainer.resume`): load it, pass the consistency
     gate, and train from its step + 1 to `steps`."""
+    device_shift: int = 0
+    """Place local rank l on device slot (l + device_shift) mod ranks-per-host: a restart that lands ranks on other
+    GPUs of their host (replay device UUIDs follow the slot, so cross-run localization can tell device from rank)."""
     resume_from: str | None = None
     """With `resume`: this checkpoint ('step-XXXXXXXX') instead of the newest usable one (a rollback to before an
     incident's onset); it must be committed, verified and loadable, or the resume fails naming why."""
@@ -104,6 +107,8 @@ class CanaryConfig:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.gpu not in GPU_MODES:
             raise ValueError(f"--gpu {self.gpu!r}: valid values are {', '.join(GPU_MODES)}")
+        if self.device_shift < 0:
+            raise ValueError(f"device shift must be >= 0, got {self.device_shift}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.global_batch % (self.layout.dp * self.microbatches):
@@ -138,12 +143,14 @@ class _Rank:
         self.hosts = Hosts(count=cfg.hosts, world_size=cfg.world_size)
         self.host = self.hosts.host_of(rank)
         self.local_rank = self.hosts.local_rank(rank)
+        self.slot = (self.local_rank + cfg.device_shift) % self.hosts.per_host
+        """This rank's device slot on its host (its GPU index)."""
         self.dp, self.tp, self.pp = self.layout.coords(rank)
         self.cuda = torch.cuda.is_available() and cfg.backend != "gloo"
         self.backend = cfg.backend or ("nccl" if self.cuda else "gloo")
-        self.device = torch.device(f"cuda:{self.local_rank % max(1, torch.cuda.device_count())}") if self.cuda else torch.device("cpu")
+        self.device = torch.device(f"cuda:{self.slot % max(1, torch.cuda.device_count())}") if self.cuda else torch.device("cpu")
         self.store_port = store_port
-        self.faults = cfg.faults
+        self.faults = cfg.faults.placed(rank=rank, host=rank // self.hosts.per_host, slot=self.slot)
 
     # -- setup ----------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -155,7 +162,7 @@ class _Rank:
             torch.cuda.set_device(self.device)
         sampler = None
         if self.cfg.collector:
-            sampler = open_sampler(self.cfg.gpu, host=self.host, indices=[self.local_rank], seed=self.cfg.seed)
+            sampler = open_sampler(self.cfg.gpu, host=self.host, indices=[self.slot], seed=self.cfg.seed)
             self.c: Any = Collector(
                 CollectorConfig(
                     run_dir=self.cfg.run_dir,
@@ -253,9 +260,9 @@ class _Rank:
         if self.replay is not None:
             reason = f.throttle_reason(self.rank, step)
             if reason is not None:
-                self.replay.throttle(self.local_rank, reason=reason)
+                self.replay.throttle(self.slot, reason=reason)
             else:
-                self.replay.clear_throttle(self.local_rank)
+                self.replay.clear_throttle(self.slot)
 
     # -- one step -------------------------------------------------------------------------------------
     def train_step(self, step: int) -> float | None:

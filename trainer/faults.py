@@ -25,6 +25,7 @@ class FaultKind(StrEnum):
     SKEW_RNG = "skew_rng"
     SKEW_DATA = "skew_data"
     THROTTLE = "throttle"
+    BAD_DEVICE = "bad_device"
     SLOW_LINK = "slow_link"
 
 
@@ -124,6 +125,20 @@ class Throttle:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class BadDevice:
+    """A faulty (replayed) GPU: device slot `index` of host `host` throttles from `from_step`, and whichever rank is
+    placed on it (`CanaryConfig.device_shift` moves ranks between a host's slots) computes `delay_s` longer per
+    step. The fault follows the device, not the rank number: what cross-run localization must tell apart."""
+
+    host: int
+    index: int
+    from_step: int = 0
+    delay_s: float = 0.02
+    until_step: int | None = None
+    reason: str = "thermal"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SlowLink:
     """Collectives whose group crosses the link between hosts `host_a` and `host_b` take `delay_s` longer."""
 
@@ -134,7 +149,7 @@ class SlowLink:
     until_step: int | None = None
 
 
-Fault = Slow | Exit | Kill | Hang | BitFlip | SkewRng | SkewData | Throttle | SlowLink
+Fault = Slow | Exit | Kill | Hang | BitFlip | SkewRng | SkewData | Throttle | BadDevice | SlowLink
 
 THROTTLE_REASONS: dict[str, ThrottleReason] = {
     "thermal": ThrottleReason.HW_THERMAL_SLOWDOWN,
@@ -162,6 +177,11 @@ _KINDS: dict[FaultKind, tuple[type, dict[str, str]]] = {
     FaultKind.THROTTLE: (
         Throttle,
         {"rank": "rank", "from": "from_step", "delay": "delay_s", "until": "until_step", "reason": "reason"},
+    ),
+    FaultKind.BAD_DEVICE: (
+        BadDevice,
+        {"host": "host", "index": "index", "from": "from_step", "delay": "delay_s", "until": "until_step",
+         "reason": "reason"},
     ),
     FaultKind.SLOW_LINK: (SlowLink, {"hosts": "hosts", "from": "from_step", "delay": "delay_s", "until": "until_step"}),
 }
@@ -227,7 +247,7 @@ def parse_fault(spec: str) -> Fault:
 
 
 def _check_values(fault: Fault) -> None:
-    for name in ("rank", "step", "from_step", "host_a", "host_b", "bit", "param", "index"):
+    for name in ("rank", "step", "from_step", "host", "host_a", "host_b", "bit", "param", "index"):
         value = getattr(fault, name, 0)
         if value < 0:
             raise ValueError(f"fault {_KIND_OF[type(fault)]}: {name} must be >= 0, got {value}")
@@ -319,14 +339,41 @@ class Faults:
         return [fault_spec(f) for f in self.faults]
 
     def validate(self, *, world_size: int, hosts: int) -> None:
-        """Reject faults naming ranks or hosts the job does not have (one-line ValueError)."""
+        """Reject faults naming ranks, hosts or device slots the job does not have (one-line ValueError)."""
         for f in self.faults:
-            if isinstance(f, SlowLink):
+            if isinstance(f, BadDevice):
+                per_host = world_size // hosts
+                if f.host >= hosts:
+                    raise ValueError(f"fault {fault_spec(f)!r}: host {f.host} does not exist (hosts are 0..{hosts - 1})")
+                if f.index >= per_host:
+                    raise ValueError(f"fault {fault_spec(f)!r}: device slot {f.index} does not exist (a host has "
+                                     f"slots 0..{per_host - 1})")
+            elif isinstance(f, SlowLink):
                 for h in (f.host_a, f.host_b):
                     if h >= hosts:
                         raise ValueError(f"fault {fault_spec(f)!r}: host {h} does not exist (hosts are 0..{hosts - 1})")
             elif f.rank >= world_size:
                 raise ValueError(f"fault {fault_spec(f)!r}: rank {f.rank} does not exist (ranks are 0..{world_size - 1})")
+
+    def placed(self, *, rank: int, host: int, slot: int) -> Faults:
+        """These faults as seen by `rank` placed on device `slot` of host `host`: a bad device becomes a throttle
+        of the rank now on it."""
+        out: list[Fault] = []
+        for f in self.faults:
+            if isinstance(f, BadDevice):
+                if (f.host, f.index) == (host, slot):
+                    out.append(Throttle(rank=rank, from_step=f.from_step, delay_s=f.delay_s, until_step=f.until_step,
+                                        reason=f.reason))
+            else:
+                out.append(f)
+        return replace(self, faults=tuple(out))
+
+    def bad_device(self, *, host: int, index: int, from_step: int = 0, delay_s: float = 0.02,
+                   until_step: int | None = None, reason: str = "thermal") -> Faults:
+        if reason not in THROTTLE_REASONS:
+            raise ValueError(f"fault bad_device: reason {reason!r} is not one of {'|'.join(THROTTLE_REASONS)}")
+        return self.add(BadDevice(host=host, index=index, from_step=from_step, delay_s=delay_s, until_step=until_step,
+                                  reason=reason))
 
     # -- questions the trainer asks -------------------------------------------------------------------
     def _of(self, cls: type, rank: int) -> list[Any]:

@@ -82,6 +82,7 @@ def _record_launch(cfg: CanaryConfig) -> int:
             "backend": cfg.backend,
             "resume": cfg.resume,
             "resume_from": cfg.resume_from,
+            "device_shift": cfg.device_shift,
         }
     )
     tmp = path.with_suffix(".json.tmp")

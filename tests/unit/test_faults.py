@@ -10,6 +10,7 @@ from rankwatch.collector.schema import ThrottleReason, link_name
 from rankwatch.trainer.faults import (
     FAULT_HELP,
     THROTTLE_REASONS,
+    BadDevice,
     BitFlip,
     Exit,
     Fault,
@@ -48,6 +49,10 @@ FULL: dict[FaultKind, tuple[str, Fault]] = {
         "throttle:rank=0,from=3,delay=0.05,until=9,reason=power",
         Throttle(rank=0, from_step=3, delay_s=0.05, until_step=9, reason="power"),
     ),
+    FaultKind.BAD_DEVICE: (
+        "bad_device:host=1,index=2,from=5,delay=0.04,until=50,reason=power",
+        BadDevice(host=1, index=2, from_step=5, delay_s=0.04, until_step=50, reason="power"),
+    ),
     FaultKind.SLOW_LINK: (
         "slow_link:hosts=0-1,from=2,delay=0.1,until=8",
         SlowLink(host_a=0, host_b=1, from_step=2, delay_s=0.1, until_step=8),
@@ -64,6 +69,7 @@ MINIMAL: dict[FaultKind, tuple[str, Fault]] = {
     FaultKind.SKEW_RNG: ("skew_rng:rank=2,step=4", SkewRng(rank=2, step=4)),
     FaultKind.SKEW_DATA: ("skew_data:rank=3,step=6", SkewData(rank=3, step=6, offset=1)),
     FaultKind.THROTTLE: ("throttle:rank=0", Throttle(rank=0, delay_s=0.02, reason="thermal")),
+    FaultKind.BAD_DEVICE: ("bad_device:host=0,index=1", BadDevice(host=0, index=1)),
     FaultKind.SLOW_LINK: ("slow_link:hosts=1-0,delay=0.1", SlowLink(host_a=1, host_b=0, delay_s=0.1)),
 }
 
@@ -235,6 +241,7 @@ def test_every_builder_adds_its_fault() -> None:
         .skew_rng(rank=2, step=4)
         .skew_data(rank=3, step=6, offset=8)
         .throttle(rank=0, from_step=3, delay_s=0.05, until_step=9, reason="power")
+        .bad_device(host=1, index=2, from_step=5, delay_s=0.04, until_step=50, reason="power")
         .slow_link(hosts=(0, 1), from_step=2, delay_s=0.1, until_step=8)
     )
     assert f.faults == tuple(fault for _, fault in FULL.values())
@@ -359,3 +366,19 @@ def test_an_empty_set_answers_no() -> None:
     assert f.bitflips(0, 0, FlipTarget.GRAD) == [] and f.skews_rng(0, 0) is False and f.data_offset(0, 0) == 0
     assert f.link_delay_s(["host0<->host1"], 0, HOSTS) == 0.0
     f.validate(world_size=1, hosts=1)
+
+
+def test_a_bad_device_throttles_whichever_rank_is_placed_on_it() -> None:
+    faults = Faults().bad_device(host=0, index=1, from_step=3, delay_s=0.05).exit(rank=2, step=9)
+    on_it = faults.placed(rank=0, host=0, slot=1)
+    assert on_it.faults == (Throttle(rank=0, from_step=3, delay_s=0.05), Exit(rank=2, step=9))
+    assert on_it.compute_delay_s(0, 3) == 0.05 and on_it.throttle_reason(0, 2) is None
+    assert faults.placed(rank=1, host=0, slot=0).faults == (Exit(rank=2, step=9),)
+    assert faults.placed(rank=3, host=1, slot=1).faults == (Exit(rank=2, step=9),)
+
+
+def test_a_bad_device_must_exist() -> None:
+    with pytest.raises(ValueError, match=r"device slot 2 does not exist \(a host has slots 0..1\)"):
+        Faults().bad_device(host=0, index=2).validate(world_size=4, hosts=2)
+    with pytest.raises(ValueError, match=r"host 2 does not exist"):
+        Faults().bad_device(host=2, index=0).validate(world_size=4, hosts=2)
