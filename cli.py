@@ -8,8 +8,12 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rankwatch.trainer.faults import FAULT_HELP
+
+if TYPE_CHECKING:
+    from rankwatch.trainer.canary import CanaryConfig
 
 DEMO_RUN_DIR = Path("runs/demo")
 
@@ -33,6 +37,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=None, help="terminate the job after this many seconds")
     p.add_argument("--resume", action="store_true",
                    help="resume from the newest usable checkpoint in --run-dir (train on to --steps)")
+    p.add_argument("--device-shift", type=int, default=0, metavar="K",
+                   help="place local rank l on device slot (l+K) mod ranks-per-host (a restart on other GPUs)")
     p.add_argument("--supervise", type=int, default=0, metavar="N",
                    help="recover the job up to N times: after each attempt, analyze, decide the narrowest safe "
                         "recovery, preserve evidence and relaunch behind the consistency gate")
@@ -59,6 +65,7 @@ def _train(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         collector=not args.no_collector,
         resume=args.resume,
+        device_shift=args.device_shift,
     )
     print(f"rankwatch train: {cfg.world_size} ranks ({cfg.layout}) on {cfg.hosts} host(s), {cfg.steps} steps -> {cfg.run_dir}")
     for spec in cfg.faults.specs():
@@ -116,7 +123,23 @@ def _demo(args: argparse.Namespace) -> int:
     _print_summary(run_dir)
     print()
     _analyze_run(run_dir, progress=False)
+    _print_recovery(cfg)
     return 0 if result.ok else 1
+
+
+def _print_recovery(cfg: CanaryConfig) -> None:
+    """What the recovery manager decides for the incidents just written (a dry run: nothing touched)."""
+    from rankwatch.analytics.analyze import ANALYSIS_DIR
+    from rankwatch.analytics.incidents import read_incidents
+    from rankwatch.trainer.manager import canary_declaration, catalog_view, plan_recovery
+
+    incidents = read_incidents(Path(cfg.run_dir) / ANALYSIS_DIR / "incidents.json")
+    plan = plan_recovery(incidents, job=canary_declaration(cfg.layout), catalog=catalog_view(Path(cfg.run_dir), cfg.layout))
+    print()
+    print(f"recovery (dry run; `rankwatch recover {cfg.run_dir} --apply` carries it out):")
+    for d in plan.decided:
+        print(f"  {d.incident.klass} {d.incident.subject}: {d.decision.action} — {d.decision.reasons[0]}")
+    print(f"  {plan.lines()[-1]}")
 
 
 def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = None, anomaly: bool = True,
