@@ -81,6 +81,8 @@ FAST_POLL_S = 0.00025
 """Polling period while waiting for a manifest (it exists for a few milliseconds before the rename)."""
 POLL_S = 0.001
 """Killer's polling period of the checkpoint directory."""
+MIN_SAVE_S = 0.05
+"""Save duration assumed when the killer saw the previous save's directory only once it was renamed."""
 
 
 class Landing(StrEnum):
@@ -272,14 +274,15 @@ class _Killer(threading.Thread):
         if self._wait_for(_tmp_dir(root, prev2), root / checkpoint_id(prev2), poll_s=0.01) is None:
             self.note = "job ended before the saves preceding the target began"
             return None
+        # each wait also ends on a later sign, so a killer that was not scheduled for a while still goes on
         c2 = self._wait_for(root / checkpoint_id(prev2))
-        w1 = self._wait_for(_tmp_dir(root, prev)) if c2 is not None else None
+        w1 = self._wait_for(_tmp_dir(root, prev), root / checkpoint_id(prev)) if c2 is not None else None
         m1 = self._wait_for(*self._publish_paths(prev), poll_s=FAST_POLL_S) if w1 is not None else None
         c1 = self._wait_for(root / checkpoint_id(prev)) if m1 is not None else None
         if c2 is None or w1 is None or m1 is None or c1 is None:
             self.note = "job ended before the saves preceding the target committed"
             return None
-        visible = (c1 - w1) / 1e9  # write start -> commit, as the killer sees it
+        visible = max(MIN_SAVE_S, (c1 - w1) / 1e9)  # write start -> commit, as the killer sees it
         gap = (w1 - c2) / 1e9  # previous commit -> next write start (training, barrier, snapshot, serialize)
         deadline = time.monotonic() + 10 * (gap + visible)
         if plan.zone is Zone.PUBLISH:
@@ -293,7 +296,7 @@ class _Killer(threading.Thread):
             if offset < 0:  # before the directory appears: predicted from the previous cycle
                 seen = c1 + int(gap * 1e9)
             else:
-                seen = self._wait_for(_tmp_dir(root, target), deadline=deadline)
+                seen = self._wait_for(_tmp_dir(root, target), root / checkpoint_id(target), deadline=deadline)
         if seen is None:
             self.note = f"the target save's {anchor} was never seen"
             return None
@@ -745,7 +748,7 @@ def print_summary(s: Summary, wall_s: float) -> None:
     print(f"chosen loaded = uninterrupted state  {s.loaded}/{s.trials}")
     print(f"violations                           {s.violations}")
     print(f"trials not run as planned            {s.not_as_planned}")
-    print(f"trials re-run (job failed before the kill)  {s.rerun}")
+    print(f"trials re-run (failed before kill)   {s.rerun}")
     print(f"wall time                            {wall_s:.0f} s")
 
 
@@ -765,8 +768,16 @@ def main() -> None:
     root = args.keep or Path(tempfile.mkdtemp(prefix="checkpoint-kills-"))
     root.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    results = run_campaign(plans, root, jobs=args.jobs, on_trial=lambda r: print(describe(r), flush=True))
-    (root / "trials.jsonl").write_text("".join(json.dumps(record(r)) + "\n" for r in results))
+    log = root / "trials.jsonl"
+    log.write_text("")
+
+    def on_trial(r: TrialResult) -> None:
+        print(describe(r), flush=True)
+        with open(log, "a") as f:  # as it goes (before loading), so an interrupted campaign leaves its trials
+            f.write(json.dumps(record(r)) + "\n")
+
+    results = run_campaign(plans, root, jobs=args.jobs, on_trial=on_trial)
+    log.write_text("".join(json.dumps(record(r)) + "\n" for r in results))
     bad = [r for r in results if r.violations]
     if bad:
         print("\nafter loading:")
