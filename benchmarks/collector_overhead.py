@@ -1,31 +1,43 @@
 """Collector overhead: step time with the collector on vs off, recording cost per collective, telemetry volume.
 
-    .venv/bin/python benchmarks/collector_overhead.py [--steps 300] [--warmup 30] [--repeats 4]
+    .venv/bin/python benchmarks/collector_overhead.py [--steps 300] [--warmup 30] [--repeats 10]
         [--nproc 4] [--layout dp=2,tp=2,pp=1] [--json PATH]
 
 The job is the canary on CanaryConfig defaults, 1 host, gloo on CPU. ON = collector with the replay GPU sampler
-(so GPU sampling costs what it would with NVML present); OFF = ``collector=False`` (the no-op NullCollector).
+(so GPU sampling costs what it would with NVML present) on the default `CollectorConfig`; OFF = ``collector=False``
+(the no-op NullCollector).
 
 Step time, ON vs OFF
     The two arms run AT THE SAME TIME, one ON job and one OFF job sharing the machine, so whatever else the
     shared machine does lands on both alike (run one after the other, the arms differed by ±5–10 % from run to
     run here, far more than the target). Sharing is symmetric: the scheduler gives each rank process a fair
     share of the cores, so a job that needs more CPU per step runs slower by about that fraction — the
-    collector's cost is what separates the arms. Both are timed by the same clock outside the collector: with
-    ``record_step_times`` every rank writes the perf_counter time, and its training thread's and process's CPU
-    time, at the end of each step (`trainer/canary.py`), collector on or off. Per job, step time = median over
-    steps W..S-1 of the per-step interval on the slowest rank. Overhead per repeat = (ON - OFF) / OFF; the
-    report gives the median over repeats and the spread. As a cross-check, the ON runs' own steps table (the
-    collector's view of the same steps) is shown. Noise = half the per-repeat spread (or the size of a
-    negative overhead: the collector cannot speed training up).
+    collector's cost is what separates the arms. The arm started first alternates from repeat to repeat. Both
+    are timed by the same clock outside the collector: with ``record_step_times`` every rank writes the
+    perf_counter time (CLOCK_MONOTONIC: one clock for all processes), and its training thread's and process's
+    CPU time, at the end of each step (`trainer/canary.py`), collector on or off.
+
+    Per repeat, only the COMMON WINDOW counts: from the moment both jobs are past their first W steps to the
+    moment the first of them ends its last step, so neither arm ever runs alone (the one that starts or ends
+    later would otherwise get the machine to itself for a while). Step time = mean interval between the slowest
+    rank's step ends in the window — a throughput figure, so the collector's occasional costs (a fingerprint
+    every 50 steps, a part-file write every 5 s) count as they do in a real job; the window's median step is
+    shown beside it. Overhead per repeat = ON / OFF - 1.
+
+Verdict
+    Over the repeats, the mean overhead and its 95 % t interval (the repeats are independent paired
+    measurements). PASS when the interval's upper end is within the target, FAIL when its lower end is over it,
+    INCONCLUSIVE otherwise. Every repeat is printed. As cross-checks: the ON runs' own steps table (the
+    collector's view of the same steps), the training thread's and the process's extra CPU per step, the
+    recording cost per collective and the collector's work per step measured bottom-up.
 
 Recording cost per collective
     In process, no torch.distributed: a process-group sentinel (a plain ``object()``) is registered with a
-    GroupInfo, and ``with timed("all_reduce", group, tensor): pass`` is timed against the bare loop, in
-    batches of --micro-n, median over --micro-batches. Both go through a started Collector's tracker inside a
-    step (what `Collector.collective` returns): once on a MemorySink (the recording alone) and once on a
-    ParquetSink in a temp dir (writer and heartbeat threads live, as in the canary). The NullCollector's
-    ``nullcontext()`` is shown for scale.
+    GroupInfo, and ``with collector.collective("all_reduce", group, tensor): pass`` is timed against the bare
+    loop, in batches of --micro-n, median over --micro-batches, on the thread's CPU clock (the machine is
+    shared: preemption would otherwise land in the figure). Both go through a started Collector inside a step:
+    once on a MemorySink (the recording alone) and once on a ParquetSink in a temp dir (writer and heartbeat
+    threads live, as in the canary). The NullCollector's ``nullcontext()`` is shown for scale.
 
 Telemetry volume
     Bytes of all part files under <run>/telemetry of each ON long run, divided by ranks x steps (fixed costs
@@ -36,6 +48,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import sys
 import tempfile
@@ -67,13 +81,24 @@ class LaunchTiming:
 class RepeatResult:
     repeat: int
     order: str
-    """Arm order of this repeat, e.g. "ON,OFF"."""
+    """Arm started first, then the other, e.g. "ON,OFF" (both run together)."""
+    window_s: float
+    """Length of the common window (both arms past warm-up, neither finished), seconds."""
+    on_steps: int
+    """ON steps (slowest-rank step ends) in the window."""
+    off_steps: int
     on_ms: float
-    """ON per-step time, ms, from the trainer's step clock."""
+    """ON mean step time in the window, ms, from the trainer's step clock."""
     off_ms: float
     overhead_pct: float
+    """ON / OFF - 1 of the window means, percent."""
+    on_median_ms: float
+    """ON median step interval in the window, ms."""
+    off_median_ms: float
     on_self_ms: float | None
-    """ON per-step time, ms, from the collector's own steps table (the method check)."""
+    """ON median step time, ms, from the collector's own steps table over steps W..S-1 (the method check)."""
+    on_trainer_median_ms: float
+    """ON median step interval over steps W..S-1 on the trainer's clock (compared with `on_self_ms`)."""
     telemetry_bytes: int
     bytes_by_table: dict[str, int]
     collectives_per_rank_step: float
@@ -84,6 +109,17 @@ class RepeatResult:
     off_thread_cpu_ms: float
     on_process_cpu_ms: float
     off_process_cpu_ms: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Interval:
+    """Mean of per-repeat values with a two-sided 95 % t interval."""
+
+    n: int
+    mean: float
+    sd: float
+    low: float
+    high: float
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,11 +142,16 @@ class Report:
     warmup: int
     repeats: int
     gpu_on: str
+    load_before: tuple[float, float, float]
+    """Machine load averages (1, 5, 15 min) when the benchmark started."""
+    load_after: tuple[float, float, float]
     launches: tuple[LaunchTiming, ...]
     per_repeat: tuple[RepeatResult, ...]
     on_ms_median: float
     off_ms_median: float
-    overhead_pct: float
+    overhead: Interval
+    """Per-repeat step-time overhead, percent: mean and 95 % t interval (what the verdict is judged on)."""
+    overhead_pct_median: float
     overhead_pct_min: float
     overhead_pct_max: float
     on_self_ms_median: float | None
@@ -123,16 +164,19 @@ class Report:
     collective_cost_pct_of_step: float
     """Per-collective cost (ParquetSink) x collectives per rank-step, as a percentage of the step time (the
     self-timed ON step where there is one: it is far less noisy than the launch differences)."""
-    thread_cpu_overhead_pct: float
-    """Median over repeats of the training thread's extra CPU per step, percent."""
-    process_cpu_overhead_pct: float
-    """Median over repeats of the rank process's extra CPU per step, percent."""
+    thread_cpu_overhead: Interval
+    """The training thread's extra CPU per step, percent of OFF's: mean and 95 % t interval over repeats."""
+    process_cpu_overhead: Interval
+    """The rank process's extra CPU per step (background threads included), percent of OFF's."""
+    thread_cpu_extra_ms: float
+    """Mean over repeats of the training thread's extra CPU per step, ms."""
     bottom_up_us_per_step: float
     """Collector work per rank-step measured bottom-up (`_synthetic_step_us`), µs."""
     bottom_up_pct: float
     """That work as a percentage of the OFF step time."""
-    noise_pct: float | None
-    """Half-width of the overhead's noise band, percentage points (see `_noise_pct`)."""
+    bottom_up_pct_of_thread_cpu: float
+    """That work as a percentage of the OFF training thread's CPU per step (median over repeats): what the
+    collector's calls would add to a rank that had a core to itself, measured warm."""
     target_pct: float
     verdict: str
 
@@ -141,13 +185,97 @@ class Report:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ArmTimes:
+    """One job's per-step clocks: the slowest rank's step ends and every rank's CPU clocks, ns."""
+
+    step_end_ns: tuple[int, ...]
+    """Per step: the latest step end over the ranks (perf_counter, comparable across processes)."""
+    thread_cpu_ns: tuple[tuple[int, ...], ...]
+    """Per rank, per step: the training thread's CPU time at the step end."""
+    process_cpu_ns: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ArmTiming:
-    wall_ms: float
-    """Median steady-state step interval of the slowest rank, ms."""
+    """One arm's figures over the common window."""
+
+    steps: int
+    """Step ends in the window."""
+    mean_ms: float
+    """Mean step time (first to last step end in the window, divided by the steps between them), ms."""
+    median_ms: float
+    """Median step interval in the window, ms."""
     thread_cpu_ms: float
-    """CPU time of the training thread per step, mean over ranks, ms: what the collector adds to the hot path."""
+    """CPU time of the training thread per step in the window, mean over ranks, ms: the hot path's cost."""
     process_cpu_ms: float
     """CPU time of the whole rank process per step (background writer, heartbeat, GPU threads included), ms."""
+
+
+MIN_WINDOW_STEPS = 20
+"""Fewest step ends of either arm in the common window for a repeat to count."""
+
+
+def common_window(a: tuple[int, ...], b: tuple[int, ...], warmup: int) -> tuple[int, int]:
+    """[start, end] in ns where both jobs (step-end times `a`, `b`) are past their first `warmup` steps and
+    neither has ended its last step."""
+    return max(a[warmup - 1], b[warmup - 1]), min(a[-1], b[-1])
+
+
+def arm_timing(times: ArmTimes, start_ns: int, end_ns: int) -> ArmTiming:
+    """An arm's step time and CPU per step over the step ends inside [start_ns, end_ns]."""
+    ends = times.step_end_ns
+    inside = [i for i, t in enumerate(ends) if start_ns <= t <= end_ns]
+    if len(inside) < 2:
+        raise ValueError(f"common window holds {len(inside)} step ends of an arm; need at least 2")
+    first, last = inside[0], inside[-1]
+    span = last - first
+    intervals = [(ends[i] - ends[i - 1]) / 1e6 for i in range(first + 1, last + 1)]
+
+    def per_step(clocks: tuple[tuple[int, ...], ...]) -> float:
+        return statistics.mean((c[last] - c[first]) / span / 1e6 for c in clocks)
+
+    return ArmTiming(
+        steps=len(inside),
+        mean_ms=(ends[last] - ends[first]) / span / 1e6,
+        median_ms=statistics.median(intervals),
+        thread_cpu_ms=per_step(times.thread_cpu_ns),
+        process_cpu_ms=per_step(times.process_cpu_ns),
+    )
+
+
+def _t_quantile(p: float, df: int) -> float:
+    """Quantile of Student's t distribution (df >= 1): bisection on the CDF, integrated with Simpson's rule."""
+    if df < 1 or not 0.5 <= p < 1:
+        raise ValueError(f"t quantile: need df >= 1 and 0.5 <= p < 1, got df={df}, p={p}")
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def pdf(x: float) -> float:
+        return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
+
+    def cdf(x: float) -> float:  # x >= 0
+        n = 2000
+        h = x / n
+        area = pdf(0.0) + pdf(x) + sum((4 if i % 2 else 2) * pdf(i * h) for i in range(1, n))
+        return 0.5 + area * h / 3
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def t_interval(values: list[float], confidence: float = 0.95) -> Interval:
+    """Mean of `values` with its two-sided t interval (n = 1: the interval is unbounded)."""
+    n = len(values)
+    mean = statistics.mean(values)
+    if n < 2:
+        return Interval(n=n, mean=mean, sd=math.nan, low=-math.inf, high=math.inf)
+    sd = statistics.stdev(values)
+    half = _t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
+    return Interval(n=n, mean=mean, sd=sd, low=mean - half, high=mean + half)
 
 
 def _config(args: argparse.Namespace, root: Path, repeat: int, arm: str) -> Any:
@@ -165,8 +293,9 @@ def _config(args: argparse.Namespace, root: Path, repeat: int, arm: str) -> Any:
     )
 
 
-def _launch_pair(args: argparse.Namespace, root: Path, repeat: int) -> dict[str, tuple[LaunchTiming, ArmTiming]]:
-    """Run the ON and the OFF job at the same time; returns each arm's timing and steady-state figures."""
+def _launch_pair(args: argparse.Namespace, root: Path, repeat: int) -> dict[str, tuple[LaunchTiming, ArmTimes]]:
+    """Run the ON and the OFF job at the same time (the first of `_order(repeat)` is started first); returns
+    each arm's launch timing and clocks."""
     from rankwatch.trainer.canary import STEP_TIMES_DIR
     from rankwatch.trainer.launch import LaunchResult, launch
 
@@ -180,32 +309,40 @@ def _launch_pair(args: argparse.Namespace, root: Path, repeat: int) -> dict[str,
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=go, args=(arm,)) for arm in (ON, OFF)]
+    threads = [threading.Thread(target=go, args=(arm,)) for arm in _order(repeat)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    out: dict[str, tuple[LaunchTiming, ArmTiming]] = {}
-    span = args.steps - args.warmup
+    out: dict[str, tuple[LaunchTiming, ArmTimes]] = {}
     for arm, result in results.items():
         run_dir = cfgs[arm].run_dir
         if not result.ok:
             codes = ", ".join(f"{r}:{c}" for r, c in enumerate(result.exit_codes))
             raise SystemExit(f"collector_overhead: {arm} launch in {run_dir} failed (exit codes {codes})")
         docs = [json.loads(p.read_text()) for p in sorted((run_dir / STEP_TIMES_DIR).glob("rank-*.json"))]
-        slowest = [max(d["step_end_ns"][i] for d in docs) for i in range(args.steps)]
-        intervals = [(slowest[i] - slowest[i - 1]) / 1e6 for i in range(args.warmup, args.steps)]
-
-        def cpu(key: str) -> float:
-            return statistics.mean((d[key][-1] - d[key][args.warmup - 1]) / span / 1e6 for d in docs)
-
+        if len(docs) != args.nproc or any(len(d["step_end_ns"]) != args.steps for d in docs):
+            raise SystemExit(f"collector_overhead: {run_dir / STEP_TIMES_DIR}: expected {args.nproc} ranks x "
+                             f"{args.steps} steps of step times")
         timing = LaunchTiming(repeat=repeat, arm=arm, steps=args.steps, duration_s=result.duration_s, run_dir=str(run_dir))
-        out[arm] = timing, ArmTiming(
-            wall_ms=statistics.median(intervals), thread_cpu_ms=cpu("thread_cpu_ns"), process_cpu_ms=cpu("process_cpu_ns")
+        out[arm] = timing, ArmTimes(
+            step_end_ns=tuple(max(d["step_end_ns"][i] for d in docs) for i in range(args.steps)),
+            thread_cpu_ns=tuple(tuple(d["thread_cpu_ns"]) for d in docs),
+            process_cpu_ns=tuple(tuple(d["process_cpu_ns"]) for d in docs),
         )
     return out
+
+
+def _order(repeat: int) -> tuple[str, str]:
+    """Which arm is started first: alternates, so neither always gets the head start."""
+    return (ON, OFF) if repeat % 2 == 0 else (OFF, ON)
+
+
+def _trainer_median_ms(times: ArmTimes, warmup: int) -> float:
+    ends = times.step_end_ns
+    return statistics.median((ends[i] - ends[i - 1]) / 1e6 for i in range(warmup, len(ends)))
 
 
 def _self_timed_ms(run_dir: Path, *, warmup: int, steps: int) -> float | None:
@@ -250,47 +387,70 @@ def _run_repeats(args: argparse.Namespace, root: Path) -> tuple[list[LaunchTimin
     timings: list[LaunchTiming] = []
     results: list[RepeatResult] = []
     for r in range(args.repeats):
-        arms: dict[str, ArmTiming] = {}
-        for arm, (t, a) in _launch_pair(args, root, r).items():
-            arms[arm] = a
-            timings.append(t)
-            print(f"  repeat {r}: {arm:<3} {a.wall_ms:7.2f} ms/step wall, {a.thread_cpu_ms:6.2f} ms training-thread CPU, "
-                  f"{a.process_cpu_ms:6.2f} ms process CPU  (launch {t.duration_s:5.1f} s)", flush=True)
-        per_step = {arm: a.wall_ms for arm, a in arms.items()}
+        pair = _launch_pair(args, root, r)
+        times = {arm: a for arm, (_, a) in pair.items()}
+        timings.extend(t for t, _ in pair.values())
+        start, end = common_window(times[ON].step_end_ns, times[OFF].step_end_ns, args.warmup)
+        try:
+            arms = {arm: arm_timing(a, start, end) for arm, a in times.items()}
+        except ValueError as exc:
+            raise SystemExit(f"collector_overhead: repeat {r}: {exc} (the arms barely overlapped; more --steps?)")
+        for arm, a in arms.items():
+            if a.steps < MIN_WINDOW_STEPS:
+                raise SystemExit(f"collector_overhead: repeat {r}: only {a.steps} {arm} steps in the common window "
+                                 f"(need {MIN_WINDOW_STEPS}; more --steps?)")
+        on, off = arms[ON], arms[OFF]
         on_run = root / f"r{r}-on"
         total, by_table, coll, steps_rows, dropped, phases = _telemetry(on_run, ranks=ranks, steps=args.steps)
         if steps_rows != ranks * args.steps:
             print(f"  warning: {on_run}: {steps_rows} step rows, expected {ranks * args.steps}", file=sys.stderr)
-        results.append(
-            RepeatResult(
-                repeat=r,
-                order="together",
-                on_ms=per_step[ON],
-                off_ms=per_step[OFF],
-                overhead_pct=(per_step[ON] - per_step[OFF]) / per_step[OFF] * 100,
-                on_self_ms=_self_timed_ms(on_run, warmup=args.warmup, steps=args.steps),
-                telemetry_bytes=total,
-                bytes_by_table=by_table,
-                collectives_per_rank_step=coll,
-                phases_per_rank_step=phases,
-                steps_rows=steps_rows,
-                dropped_rows=dropped,
-                on_thread_cpu_ms=arms[ON].thread_cpu_ms,
-                off_thread_cpu_ms=arms[OFF].thread_cpu_ms,
-                on_process_cpu_ms=arms[ON].process_cpu_ms,
-                off_process_cpu_ms=arms[OFF].process_cpu_ms,
-            )
+        result = RepeatResult(
+            repeat=r,
+            order=",".join(_order(r)),
+            window_s=(end - start) / 1e9,
+            on_steps=on.steps,
+            off_steps=off.steps,
+            on_ms=on.mean_ms,
+            off_ms=off.mean_ms,
+            overhead_pct=(on.mean_ms - off.mean_ms) / off.mean_ms * 100,
+            on_median_ms=on.median_ms,
+            off_median_ms=off.median_ms,
+            on_self_ms=_self_timed_ms(on_run, warmup=args.warmup, steps=args.steps),
+            on_trainer_median_ms=_trainer_median_ms(times[ON], args.warmup),
+            telemetry_bytes=total,
+            bytes_by_table=by_table,
+            collectives_per_rank_step=coll,
+            phases_per_rank_step=phases,
+            steps_rows=steps_rows,
+            dropped_rows=dropped,
+            on_thread_cpu_ms=on.thread_cpu_ms,
+            off_thread_cpu_ms=off.thread_cpu_ms,
+            on_process_cpu_ms=on.process_cpu_ms,
+            off_process_cpu_ms=off.process_cpu_ms,
         )
+        results.append(result)
+        print(f"  repeat {r} ({result.order} started in that order; window {result.window_s:5.1f} s, "
+              f"{on.steps}/{off.steps} steps): ON {on.mean_ms:6.2f} ms/step, OFF {off.mean_ms:6.2f} ms/step, "
+              f"overhead {result.overhead_pct:+6.2f} %; training-thread CPU {on.thread_cpu_ms:5.2f} / "
+              f"{off.thread_cpu_ms:5.2f} ms  (load {_load()[0]:.1f})", flush=True)
     return timings, results
+
+
+def _load() -> tuple[float, float, float]:
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (math.nan, math.nan, math.nan)
 
 
 # ------------------------------------------------------------------------------------ micro-benchmark
 
 
 def _loop_s(body: Callable[[int], None], n: int) -> float:
-    start = time.perf_counter()
+    """CPU seconds of this thread running `body(n)`: the machine is shared, preemption must not count."""
+    start = time.thread_time()
     body(n)
-    return time.perf_counter() - start
+    return time.thread_time() - start
 
 
 def _micro(n: int, batches: int) -> MicroResult:
@@ -325,10 +485,10 @@ def _micro(n: int, batches: int) -> MicroResult:
 
         def recorded(c: Collector, step: int) -> Callable[[int], None]:
             def loop(k: int) -> None:
-                timed = c.tracker.timed  # the path Collector.collective returns
+                collective = c.collective
                 with c.step(step):
                     for _ in range(k):
-                        with timed("all_reduce", group, tensor):
+                        with collective("all_reduce", group, tensor):
                             pass
 
             return loop
@@ -372,7 +532,24 @@ def _synthetic_step_us(*, collectives: int, phases: int, steps: int, layout: str
     contexts, `collectives` timed collectives, the loss — plus the fingerprint of a default-size canary stage
     and its optimizer every `fingerprint_every` steps and the pre-all-reduce gradient-norm dot product over
     its gradients, with a started Collector on a ParquetSink (writer, heartbeat and replay-GPU threads live),
-    against the same loop on the NullCollector. No training work runs, so machine noise has little to hide in."""
+    against the same loop on the NullCollector, on the thread's CPU clock. No training work runs, so machine noise
+    has little to hide in."""
+    import dataclasses
+
+    import torch
+
+    from rankwatch.trainer.canary import CanaryConfig
+
+    canary_threads = int(next(f.default for f in dataclasses.fields(CanaryConfig) if f.name == "threads"))  # type: ignore[arg-type]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(canary_threads)  # as in the canary's ranks: multi-threaded kernels on a shared machine
+    try:  # spin far more CPU than they use (the gradient-norm dot product: ~50 µs on 1 thread, ms on 2 here)
+        return _synthetic_step_us_run(collectives=collectives, phases=phases, steps=steps, layout=layout, nproc=nproc)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _synthetic_step_us_run(*, collectives: int, phases: int, steps: int, layout: str, nproc: int) -> tuple[float, float]:
     import torch
 
     from rankwatch.collector.collectives import GroupInfo
@@ -397,7 +574,7 @@ def _synthetic_step_us(*, collectives: int, phases: int, steps: int, layout: str
 
     def run(c: object, n: int) -> float:
         loader = c.wrap_loader(iter(range(n)), position=lambda: 0)  # type: ignore[attr-defined]
-        start = time.perf_counter()
+        start = time.thread_time()  # CPU time: the machine is shared, preemption must not count
         for i in range(n):
             with c.step(i) as rec:  # type: ignore[attr-defined]
                 next(loader)
@@ -411,7 +588,7 @@ def _synthetic_step_us(*, collectives: int, phases: int, steps: int, layout: str
                     torch.dot(grads, grads)  # what the DDP hook adds per step
                 rec.loss = 1.0
             c.maybe_fingerprint(i, stage, opt, domain="d", domain_ranks=[0])  # type: ignore[attr-defined]
-        return (time.perf_counter() - start) / n * 1e6
+        return (time.thread_time() - start) / n * 1e6
 
     with tempfile.TemporaryDirectory(prefix="rankwatch-step-") as tmp:
         on = Collector(CollectorConfig(run_dir=Path(tmp), handle_sigterm=False), rank=0, world_size=2, host="host0",
@@ -432,63 +609,61 @@ def _synthetic_step_us(*, collectives: int, phases: int, steps: int, layout: str
 # ----------------------------------------------------------------------------------------- reporting
 
 
-def _noise_pct(overhead: float, low: float, high: float) -> float | None:
-    """Half-width of the overhead's noise band, percentage points; None with a single repeat.
-
-    The larger of half the per-repeat spread and, for a negative overhead, its size — the collector cannot
-    speed training up, so that is noise."""
-    if high == low:
-        return None
-    return max((high - low) / 2, max(0.0, -overhead))
-
-
-def _verdict(overhead: float, noise: float | None, bottom_up_pct: float) -> str:
+def _verdict(overhead: Interval, bottom_up_pct: float) -> str:
     """Judged on the end-to-end figure alone: the warm bottom-up figure is shown for scale but understates the
     cost inside a busy job several times over (see benchmarks/collector_insitu.py).
-    PASS when the whole noise band is within the target, FAIL when all of it is over, INCONCLUSIVE otherwise."""
-    band = "no noise estimate (use --repeats >= 2)" if noise is None else f"± {noise:.2f} % noise"
-    figures = f"end-to-end {overhead:+.2f} % {band} (warm bottom-up {bottom_up_pct:.2f} %)"
-    if noise is None:
-        return f"INCONCLUSIVE: {figures}; target ≤ {TARGET_PCT:g} %"
-    if overhead - noise > TARGET_PCT:
-        return f"FAIL: {figures}; target ≤ {TARGET_PCT:g} %"
-    if overhead + noise <= TARGET_PCT:
-        return f"PASS: {figures}; target ≤ {TARGET_PCT:g} %"
-    return f"INCONCLUSIVE: {figures}; target ≤ {TARGET_PCT:g} %"
+    PASS when the whole 95 % interval is within the target, FAIL when all of it is over, INCONCLUSIVE otherwise."""
+    figures = (f"end-to-end {overhead.mean:+.2f} %, 95 % interval [{overhead.low:+.2f}, {overhead.high:+.2f}] % over "
+               f"{overhead.n} repeat(s) (warm bottom-up {bottom_up_pct:.2f} %); target ≤ {TARGET_PCT:g} %")
+    if overhead.n < 2:
+        return f"INCONCLUSIVE: {figures} (use --repeats >= 2 for an interval)"
+    if overhead.low > TARGET_PCT:
+        return f"FAIL: {figures}"
+    if overhead.high <= TARGET_PCT:
+        return f"PASS: {figures}"
+    return f"INCONCLUSIVE: {figures}"
+
+
+def _fmt(i: Interval, unit: str = "%") -> str:
+    return f"{i.mean:+.2f} {unit} (95 % interval [{i.low:+.2f}, {i.high:+.2f}], sd {i.sd:.2f}, n {i.n})"
 
 
 def _print_report(rep: Report) -> None:
-    span = f"steps {rep.warmup}..{rep.steps - 1}"
     print()
     print(f"rankwatch collector overhead — {rep.nproc} ranks ({rep.layout}), {rep.hosts} host, {rep.steps} steps "
           f"(first {rep.warmup} excluded), {rep.repeats} repeat(s); ON = collector + gpu={rep.gpu_on}, OFF = no-op")
+    print(f"machine load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in rep.load_before)} at the start, "
+          f"{'/'.join(f'{x:.2f}' for x in rep.load_after)} at the end")
     print()
-    print(f"step time, ms/step (steady state, {span}; median per-step interval, trainer's own clock)")
-    print(f"  {'repeat':<8}{'order':<9}{'ON':>9}{'OFF':>9}{'overhead':>11}{'ON self-timed':>16}")
+    print("step time, ms/step, in each repeat's common window (both arms past warm-up, neither finished; trainer's "
+          "clock, slowest rank)")
+    print(f"  {'repeat':<7}{'started':<9}{'window s':>9}{'steps':>9}{'ON mean':>9}{'OFF mean':>9}{'overhead':>10}"
+          f"{'ON med':>8}{'OFF med':>8}{'ON self':>9}")
     for r in rep.per_repeat:
         self_ms = f"{r.on_self_ms:.2f}" if r.on_self_ms is not None else "-"
-        print(f"  {r.repeat:<8}{r.order:<9}{r.on_ms:>9.2f}{r.off_ms:>9.2f}{r.overhead_pct:>+10.2f}%{self_ms:>16}")
-    self_med = f"{rep.on_self_ms_median:.2f}" if rep.on_self_ms_median is not None else "-"
-    print(f"  {'median':<17}{rep.on_ms_median:>9.2f}{rep.off_ms_median:>9.2f}{rep.overhead_pct:>+10.2f}%{self_med:>16}")
-    print(f"  overhead per repeat: min {rep.overhead_pct_min:+.2f} %, max {rep.overhead_pct_max:+.2f} %")
+        print(f"  {r.repeat:<7}{r.order:<9}{r.window_s:>9.1f}{f'{r.on_steps}/{r.off_steps}':>9}{r.on_ms:>9.2f}"
+              f"{r.off_ms:>9.2f}{r.overhead_pct:>+9.2f}%{r.on_median_ms:>8.2f}{r.off_median_ms:>8.2f}{self_ms:>9}")
+    print(f"  medians over repeats: ON {rep.on_ms_median:.2f}, OFF {rep.off_ms_median:.2f} ms/step; overhead median "
+          f"{rep.overhead_pct_median:+.2f} %, min {rep.overhead_pct_min:+.2f} %, max {rep.overhead_pct_max:+.2f} %")
+    print(f"  step-time overhead: {_fmt(rep.overhead)}")
     if rep.method_error_pct is not None:
-        print(f"  ON: trainer clock vs collector's steps table differ by {rep.method_error_pct:.2f} % (median)")
-    if rep.noise_pct is not None:
-        print(f"  noise on the overhead: ± {rep.noise_pct:.2f} %")
+        print(f"  ON: trainer clock vs collector's steps table (medians over steps {rep.warmup}..{rep.steps - 1}) "
+              f"differ by {rep.method_error_pct:.2f} % (median over repeats)")
     print()
-    print("CPU per step, ms (mean over ranks; training thread = the hot path, process = with background threads)")
+    print("CPU per step in the window, ms (mean over ranks; training thread = the hot path, process = with "
+          "background threads)")
     print(f"  {'repeat':<8}{'thread ON':>10}{'OFF':>8}{'+%':>8}{'process ON':>12}{'OFF':>8}{'+%':>8}")
     for r in rep.per_repeat:
         t_pct = (r.on_thread_cpu_ms - r.off_thread_cpu_ms) / r.off_thread_cpu_ms * 100
         p_pct = (r.on_process_cpu_ms - r.off_process_cpu_ms) / r.off_process_cpu_ms * 100
         print(f"  {r.repeat:<8}{r.on_thread_cpu_ms:>10.2f}{r.off_thread_cpu_ms:>8.2f}{t_pct:>+7.2f}%"
               f"{r.on_process_cpu_ms:>12.2f}{r.off_process_cpu_ms:>8.2f}{p_pct:>+7.2f}%")
-    print(f"  median training-thread CPU overhead {rep.thread_cpu_overhead_pct:+.2f} %, "
-          f"process CPU overhead {rep.process_cpu_overhead_pct:+.2f} %")
+    print(f"  training-thread CPU overhead {_fmt(rep.thread_cpu_overhead)}; {rep.thread_cpu_extra_ms:.3f} ms a step")
+    print(f"  process CPU overhead {_fmt(rep.process_cpu_overhead)}")
     print()
     m = rep.micro
     coll = statistics.median(r.collectives_per_rank_step for r in rep.per_repeat)
-    print(f"recording cost per collective, µs (in process, median of {m.batches} × {m.n}, minus the bare loop)")
+    print(f"recording cost per collective, µs of CPU (in process, median of {m.batches} × {m.n}, minus the bare loop)")
     print(f"  {'Collector + MemorySink (started, in a step)':<46}{m.memory_sink_us:>8.2f}")
     print(f"  {'Collector + ParquetSink (started, in a step)':<46}{m.parquet_sink_us:>8.2f}")
     print(f"  {'NullCollector (nullcontext), for scale':<46}{m.null_us:>8.2f}")
@@ -504,8 +679,9 @@ def _print_report(rep: Report) -> None:
         print(f"    {table:<18} {per:>10.1f}")
     print(f"  dropped rows (max over repeats): {max(r.dropped_rows for r in rep.per_repeat)}")
     print()
-    print(f"collector work per rank-step, bottom-up: {rep.bottom_up_us_per_step:.1f} µs = {rep.bottom_up_pct:.3f} % "
-          "of the OFF step (synthetic step: the canary's calls with no training work, ON minus NullCollector)")
+    print(f"collector work per rank-step, bottom-up: {rep.bottom_up_us_per_step:.1f} µs of CPU = "
+          f"{rep.bottom_up_pct:.3f} % of the OFF step, {rep.bottom_up_pct_of_thread_cpu:.2f} % of its training "
+          "thread's CPU (synthetic step, warm: the canary's calls with no training work, ON minus NullCollector)")
     print()
     print(f"verdict: {rep.verdict}")
 
@@ -514,7 +690,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--steps", type=int, default=300, help="steps per launch (default 300)")
     p.add_argument("--warmup", type=int, default=30, help="first steps excluded (default 30)")
-    p.add_argument("--repeats", type=int, default=4, help="ON/OFF pairs, interleaved (default 4)")
+    p.add_argument("--repeats", type=int, default=10, help="ON/OFF pairs, each run together (default 10)")
     p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--layout", default="dp=2,tp=2,pp=1", help="dp=N,tp=N,pp=N (default dp=2,tp=2,pp=1)")
     p.add_argument("--micro-n", type=int, default=20_000, help="collectives per micro-benchmark batch")
@@ -536,8 +712,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    load_before = _load()
     print(f"collector_overhead: {args.repeats} repeat(s) × 2 launches (ON, OFF) of {args.steps} steps, "
-          f"{args.nproc} ranks {args.layout}", flush=True)
+          f"{args.nproc} ranks {args.layout}; load average {load_before[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="rankwatch-bench-") as tmp:
         timings, results = _run_repeats(args, Path(tmp))
     print("  micro-benchmark ...", flush=True)
@@ -550,16 +727,13 @@ def main(argv: list[str] | None = None) -> int:
 
     on = statistics.median(r.on_ms for r in results)
     off = statistics.median(r.off_ms for r in results)
-    overhead = (on - off) / off * 100
-    low = min(r.overhead_pct for r in results)
-    high = max(r.overhead_pct for r in results)
+    overheads = [r.overhead_pct for r in results]
     selfs = [r.on_self_ms for r in results if r.on_self_ms is not None]
-    errors = [abs(r.on_ms - r.on_self_ms) / r.on_self_ms * 100 for r in results if r.on_self_ms]
-    method_error = statistics.median(errors) if errors else None
-    noise = _noise_pct(overhead, low, high)
+    errors = [abs(r.on_trainer_median_ms - r.on_self_ms) / r.on_self_ms * 100 for r in results if r.on_self_ms]
     per_rank_step = [r.telemetry_bytes / (args.nproc * args.steps) for r in results]
-    coll = statistics.median(r.collectives_per_rank_step for r in results)
     step_ms = statistics.median(selfs) if selfs else off
+    overhead = t_interval(overheads)
+    bottom_up_pct = (step_on_us - step_off_us) / (off * 1e3) * 100
     report = Report(
         nproc=args.nproc,
         layout=args.layout,
@@ -568,31 +742,36 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         repeats=args.repeats,
         gpu_on="replay",
+        load_before=load_before,
+        load_after=_load(),
         launches=tuple(timings),
         per_repeat=tuple(results),
         on_ms_median=on,
         off_ms_median=off,
-        overhead_pct=overhead,
-        overhead_pct_min=low,
-        overhead_pct_max=high,
+        overhead=overhead,
+        overhead_pct_median=statistics.median(overheads),
+        overhead_pct_min=min(overheads),
+        overhead_pct_max=max(overheads),
         on_self_ms_median=statistics.median(selfs) if selfs else None,
-        method_error_pct=method_error,
+        method_error_pct=statistics.median(errors) if errors else None,
         bytes_per_rank_step=statistics.median(per_rank_step),
         bytes_per_rank_step_min=min(per_rank_step),
         bytes_per_rank_step_max=max(per_rank_step),
         micro=micro,
-        collective_cost_pct_of_step=coll * micro.parquet_sink_us / (step_ms * 1e3) * 100,
+        collective_cost_pct_of_step=coll_per_step * micro.parquet_sink_us / (step_ms * 1e3) * 100,
         target_pct=TARGET_PCT,
-        thread_cpu_overhead_pct=statistics.median(
-            (r.on_thread_cpu_ms - r.off_thread_cpu_ms) / r.off_thread_cpu_ms * 100 for r in results
+        thread_cpu_overhead=t_interval(
+            [(r.on_thread_cpu_ms - r.off_thread_cpu_ms) / r.off_thread_cpu_ms * 100 for r in results]
         ),
-        process_cpu_overhead_pct=statistics.median(
-            (r.on_process_cpu_ms - r.off_process_cpu_ms) / r.off_process_cpu_ms * 100 for r in results
+        process_cpu_overhead=t_interval(
+            [(r.on_process_cpu_ms - r.off_process_cpu_ms) / r.off_process_cpu_ms * 100 for r in results]
         ),
-        noise_pct=noise,
+        thread_cpu_extra_ms=statistics.mean(r.on_thread_cpu_ms - r.off_thread_cpu_ms for r in results),
         bottom_up_us_per_step=step_on_us - step_off_us,
-        bottom_up_pct=(step_on_us - step_off_us) / (off * 1e3) * 100,
-        verdict=_verdict(overhead, noise, (step_on_us - step_off_us) / (off * 1e3) * 100),
+        bottom_up_pct=bottom_up_pct,
+        bottom_up_pct_of_thread_cpu=(step_on_us - step_off_us)
+        / (statistics.median(r.off_thread_cpu_ms for r in results) * 1e3) * 100,
+        verdict=_verdict(overhead, bottom_up_pct),
     )
     _print_report(report)
     if args.json is not None:

@@ -45,25 +45,6 @@ class GroupInfo:
         return tuple(sorted(p for p in pairs if p.split("<->")[0] != p.split("<->")[1]))
 
 
-class _Open:
-    """A collective this rank entered and has not (yet) left (a plain slots class: built per collective)."""
-
-    __slots__ = (
-        "op", "group", "seq", "group_seq", "step", "peer", "nbytes", "dtype", "async_op", "enter_wall", "enter_mono",
-        "cuda_start", "cuda_end",
-    )
-
-    def __init__(
-        self, op: str, group: GroupInfo, seq: int, group_seq: int, step: int, peer: int | None, nbytes: int,
-        dtype: str, async_op: bool, enter_wall: int, enter_mono: int,
-    ) -> None:
-        self.op, self.group, self.seq, self.group_seq, self.step = op, group, seq, group_seq, step
-        self.peer, self.nbytes, self.dtype, self.async_op = peer, nbytes, dtype, async_op
-        self.enter_wall, self.enter_mono = enter_wall, enter_mono
-        self.cuda_start: Any = None
-        self.cuda_end: Any = None
-
-
 class StepCounters:
     """What the collective tracker adds to the step in progress (owned by the collector's step)."""
 
@@ -87,38 +68,31 @@ class StepCounters:
         lo, hi = self.async_last_enter_mono, self.async_last_exit_mono
         if hi <= lo:
             return 0
-        overlap = sum(max(0, min(hi, b) - max(lo, a)) for a, b in self.blocked)
+        overlap = 0
+        for a, b in self.blocked:
+            if b > lo and a < hi:
+                overlap += (b if b < hi else hi) - (a if a > lo else lo)
         return max(0, hi - lo - overlap)
 
 
-class _Timed:
-    """Context manager of `CollectiveTracker.timed` (a class, not a generator: it is on the hot path)."""
+class _Group:
+    """Per-group constants the hot path needs, looked up once per collective (a plain slots class)."""
 
-    __slots__ = ("_tracker", "_args", "_open")
+    __slots__ = ("info", "name", "ranks", "next_seq")
 
-    def __init__(self, tracker: CollectiveTracker, op: str, group: Any, tensor: Any, peer: int | None) -> None:
-        self._tracker = tracker
-        self._args = (op, group, tensor, peer)
-
-    def __enter__(self) -> GroupInfo | None:
-        op, group, tensor, peer = self._args
-        try:
-            self._open: _Open | None = self._tracker.enter(op, group, tensor, peer=peer)
-        except Exception as exc:
-            self._tracker._on_internal("collective.enter", exc)
-            self._open = None
-        return self._open.group if self._open is not None else None
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if self._open is not None:  # CollectiveTracker._safe_exit, inlined: one call less per collective
-            try:
-                self._tracker.exit(self._open, exc)
-            except Exception as internal:
-                self._tracker._on_internal("collective.exit", internal)
+    def __init__(self, info: GroupInfo, next_seq: Callable[[], int]) -> None:
+        self.info = info
+        self.name = info.name
+        self.ranks = info.ranks
+        self.next_seq = next_seq
+        """`__next__` of the group's sequence counter: atomic under the GIL (collectives may be issued from
+        autograd or comm threads)."""
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _OK, _ERROR, _IN_FLIGHT = str(CollectiveStatus.OK), str(CollectiveStatus.ERROR), str(CollectiveStatus.IN_FLIGHT)
+_DEVICE_IDX = column_names(Table.COLLECTIVES).index(Collectives.DEVICE_DURATION_NS)
+_mono, _wall, _Tensor = time.monotonic_ns, time.time_ns, torch.Tensor
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -137,6 +111,140 @@ def _payload(tensor: torch.Tensor | list[torch.Tensor] | None) -> tuple[int, str
     return nbytes, (_dtype_name(tensor[0].dtype) if tensor else "")
 
 
+class _Open:
+    """One collective: the context manager `Collector.collective` returns, and the record of an operation this
+    rank entered and has not (yet) left. A plain slots class, built per collective: on the hot path its
+    `__enter__` and `__exit__` do all the work themselves (no calls into the tracker, no separate record).
+
+    Entering reads the clocks, numbers the operation, and registers it in the tracker's open set, where the
+    writer thread sees it (`CollectiveTracker.in_flight_rows`) until it exits. The row's first columns, fixed
+    at entry, are kept as one tuple (`_prefix`); exiting appends prefix + exit columns. Neither raises into
+    the caller: an internal error is counted, and an operation whose entry failed records nothing."""
+
+    __slots__ = (
+        "_tracker", "op", "_group_obj", "_tensor", "peer", "async_op", "group", "enter_mono", "_counters",
+        "_prefix", "cuda_start", "cuda_end",
+    )
+    # set when built (`_make`, or inline in `Collector.collective`)
+    _tracker: CollectiveTracker
+    op: str
+    _group_obj: Any
+    _tensor: Any
+    peer: int | None
+    async_op: bool
+    # set when entered
+    _prefix: Row | None
+    """Columns rank .. enter_mono of the row; None if entering failed."""
+    group: GroupInfo
+    enter_mono: int
+    _counters: StepCounters | None
+    cuda_start: Any
+    """CUDA event recorded at entry (CUDA tensors only), else None."""
+    cuda_end: Any
+    """CUDA event recorded at exit, when there is a `cuda_start`."""
+
+    def __enter__(self) -> GroupInfo | None:
+        enter_mono, enter_wall = _mono(), _wall()
+        t = self._tracker
+        try:
+            g = t._fast.get(id(self._group_obj)) or t._group_state(self._group_obj)
+            gseq = g.next_seq()
+            counters = t.counters
+            self._counters = counters
+            if counters is not None:
+                seq = counters.seq
+                counters.seq = seq + 1
+                step = counters.step
+                if self.async_op:
+                    counters.async_last_enter_mono = enter_mono
+            else:
+                seq = step = -1
+            tensor = self._tensor
+            if isinstance(tensor, _Tensor):
+                nbytes, dtype = tensor.nbytes, _DTYPE_NAMES.get(tensor.dtype) or _dtype_name(tensor.dtype)
+                if t._cuda and not self.async_op and tensor.is_cuda:
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    self.cuda_start = start
+                else:
+                    self.cuda_start = None
+            else:
+                nbytes, dtype = _payload(tensor)
+                self.cuda_start = None
+            info = g.info
+            self.group = info
+            self.enter_mono = enter_mono
+            self._prefix = (
+                t._rank, step, seq, gseq, self.op, g.name, g.ranks, self.peer, nbytes, dtype, self.async_op,
+                enter_wall, enter_mono,
+            )
+            t._live.add(self)
+            return info
+        except Exception as exc:
+            self._prefix = None
+            t._on_internal("collective.enter", exc)
+            return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        exit_mono, exit_wall = _mono(), _wall()
+        t = self._tracker
+        try:
+            prefix = self._prefix
+            if prefix is None:  # entering failed: nothing to record
+                return
+            t._live.discard(self)
+            enter_mono = self.enter_mono
+            duration = exit_mono - enter_mono
+            counters = self._counters
+            if counters is not None and counters is t.counters:  # still the step it was issued in
+                if self.async_op:
+                    if exit_mono > counters.async_last_exit_mono:
+                        counters.async_last_exit_mono = exit_mono
+                else:
+                    counters.blocked_ns += duration
+                    counters.blocked.append((enter_mono, exit_mono))
+            if exc is None and self.cuda_start is None:  # the common case
+                t._append_row(prefix + (exit_wall, exit_mono, duration, None, _OK, None))
+                return
+            t._finish(self, prefix, exit_wall, exit_mono, duration, exc)
+        except Exception as internal:
+            t._on_internal("collective.exit", internal)
+
+    # what events and tests read of an operation (cold paths)
+    @property
+    def step(self) -> int:
+        return self._entered()[1]  # type: ignore[return-value]
+
+    @property
+    def seq(self) -> int:
+        return self._entered()[2]  # type: ignore[return-value]
+
+    @property
+    def group_seq(self) -> int:
+        return self._entered()[3]  # type: ignore[return-value]
+
+    def _entered(self) -> Row:
+        prefix = getattr(self, "_prefix", None)
+        if prefix is None:
+            raise ValueError(f"collective {self.op!r} was never entered")
+        return prefix
+
+
+_alloc = object.__new__
+
+
+def _entry_order(o: _Open) -> int:
+    return o.enter_mono
+
+
+def _make(tracker: CollectiveTracker, op: str, group: Any, tensor: Any, peer: int | None, async_op: bool) -> _Open:
+    """A new, not yet entered operation (built without an `__init__` call: `Collector.collective` does the same
+    inline, once per collective)."""
+    o: _Open = _alloc(_Open)
+    o._tracker, o.op, o._group_obj, o._tensor, o.peer, o.async_op = tracker, op, group, tensor, peer, async_op
+    return o
+
+
 class CollectiveTracker:
     """Times collectives for one rank and writes `collectives` rows to a sink."""
 
@@ -144,13 +252,14 @@ class CollectiveTracker:
         self,
         *,
         rank: int,
-        append: Callable[[Table, Row], None],
+        append: Callable[[Row], None],
         on_error: Callable[[BaseException, _Open], None],
         on_internal: Callable[[str, Exception], None],
         inflight_after_s: float = 0.5,
     ) -> None:
+        """`append` adds one row to the collectives table (`Sink.appender(Table.COLLECTIVES)`)."""
         self._rank = rank
-        self._append = append
+        self._append_row = append
         self.counters: StepCounters | None = None
         """The step in progress; the collector sets it at step begin and clears it at step end."""
         self._on_error = on_error
@@ -158,7 +267,10 @@ class CollectiveTracker:
         self._inflight_after_ns = int(inflight_after_s * 1e9)
         self._groups: dict[int, GroupInfo] = {}
         self._group_seq: dict[str, itertools.count[int]] = {}
-        self._open: dict[tuple[str, int], _Open] = {}
+        self._fast: dict[int, _Group] = {}
+        """id(group object) -> its constants, filled on first use (cleared when a group is registered)."""
+        self._live: set[_Open] = set()
+        """Operations entered and not yet left; the writer thread snapshots them (`in_flight_rows`)."""
         self._pending_cuda: list[tuple[_Open, Row]] = []
         self._cuda = torch.cuda.is_available()  # no CUDA: skip the per-collective device checks
         self._lock = threading.Lock()
@@ -166,6 +278,7 @@ class CollectiveTracker:
     # -- groups ---------------------------------------------------------------------------------------
     def register_group(self, group: Any, info: GroupInfo) -> None:
         self._groups[id(group) if group is not None else 0] = info
+        self._fast.clear()
 
     def groups(self) -> list[GroupInfo]:
         return list(dict.fromkeys(self._groups.values()))
@@ -180,7 +293,28 @@ class CollectiveTracker:
             self._groups[id(group) if group is not None else 0] = found
         return found
 
+    def _group_state(self, group: Any) -> _Group:
+        """The hot path's constants of `group` (first collective on it: resolved by `info`, then cached)."""
+        info = self.info(group)
+        with self._lock:
+            seqs = self._group_seq.setdefault(info.name, itertools.count())
+            state = self._fast.setdefault(id(group), _Group(info, seqs.__next__))
+        return state
+
     # -- enter / exit ---------------------------------------------------------------------------------
+    def timed(
+        self,
+        op: str,
+        group: Any,
+        tensor: torch.Tensor | list[torch.Tensor] | None = None,
+        *,
+        peer: int | None = None,
+    ) -> _Open:
+        """Time a blocking collective issued in the body: ``with tracker.timed("all_reduce", g, t): ...``.
+
+        The body's exceptions pass through; the tracker's own never reach it."""
+        return _make(self, op, group, tensor, peer, False)
+
     def enter(
         self,
         op: str,
@@ -190,58 +324,27 @@ class CollectiveTracker:
         peer: int | None = None,
         async_op: bool = False,
     ) -> _Open:
-        enter_mono, enter_wall = time.monotonic_ns(), time.time_ns()
-        info = self._groups.get(id(group) if group is not None else 0) or self.info(group)
-        seqs = self._group_seq.get(info.name)
-        if seqs is None:
-            with self._lock:
-                seqs = self._group_seq.setdefault(info.name, itertools.count())
-        gseq = next(seqs)  # atomic under the GIL: collectives may be issued from autograd or comm threads
-        counters = self.counters
-        if counters is not None:
-            seq = counters.seq
-            counters.seq = seq + 1
-            step = counters.step
-            if async_op:
-                counters.async_last_enter_mono = enter_mono
-        else:
-            seq = step = -1
-        if isinstance(tensor, torch.Tensor):
-            nbytes, dtype = tensor.nbytes, _DTYPE_NAMES.get(tensor.dtype) or _dtype_name(tensor.dtype)
-        else:
-            nbytes, dtype = _payload(tensor)
-        o = _Open(op, info, seq, gseq, step, peer, nbytes, dtype, async_op, enter_wall, enter_mono)
-        if self._cuda and not async_op and isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-            o.cuda_start = torch.cuda.Event(enable_timing=True)
-            o.cuda_start.record()
-        self._open[(info.name, gseq)] = o
+        """Enter an operation that is left elsewhere (`exit`: e.g. an async one, from its future's callback).
+        Never raises: an internal error is counted and the operation records nothing."""
+        o = _make(self, op, group, tensor, peer, async_op)
+        o.__enter__()
         return o
 
     def exit(self, o: _Open, error: BaseException | None = None) -> None:
-        exit_mono, exit_wall = time.monotonic_ns(), time.time_ns()
-        group = o.group
-        self._open.pop((group.name, o.group_seq), None)
-        duration = exit_mono - o.enter_mono
-        counters = self.counters
-        if counters is not None and counters.step == o.step:
-            if o.async_op:
-                if exit_mono > counters.async_last_exit_mono:
-                    counters.async_last_exit_mono = exit_mono
-            else:
-                counters.blocked_ns += duration
-                counters.blocked.append((o.enter_mono, exit_mono))
-        if error is None and o.cuda_start is None:  # the common case, inlined: this runs per collective
-            self._append(
-                Table.COLLECTIVES,
-                (
-                    self._rank, o.step, o.seq, o.group_seq, o.op, group.name, group.ranks, o.peer, o.nbytes,
-                    o.dtype, o.async_op, o.enter_wall, o.enter_mono, exit_wall, exit_mono, duration, None, _OK, None,
-                ),
-            )
-            return
+        """Leave `o` (entered by `enter`), with the error it failed with, if any. Never raises."""
+        o.__exit__(None if error is None else type(error), error, None)
+
+    _safe_exit = exit
+
+    def _finish(
+        self, o: _Open, prefix: Row, exit_wall: int, exit_mono: int, duration: int, error: BaseException | None
+    ) -> None:
+        """The uncommon exits: a failed operation (error row, then the error callback) or a CUDA one (its row
+        waits for the device events, `resolve_cuda`)."""
+        o._tensor = None  # the operation may be kept a while (pending CUDA events, the last failure): not its payload
         status = _OK if error is None else _ERROR
         err = None if error is None else f"{type(error).__name__}: {error}"[:500]
-        row = self._row(o, exit_wall, exit_mono, duration, None, status, err)
+        row = prefix + (exit_wall, exit_mono, duration, None, status, err)
         if error is not None:
             self._on_error(error, o)
         if o.cuda_start is not None and error is None:
@@ -249,36 +352,13 @@ class CollectiveTracker:
             o.cuda_end.record()
             self._pending_cuda.append((o, row))
             return
-        self._append(Table.COLLECTIVES, row)
+        self._append_row(row)
 
     def _row(
         self, o: _Open, exit_wall: int | None, exit_mono: int | None, duration: int | None,
         device_ns: int | None, status: str, error: str | None,
     ) -> Row:
-        return (
-            self._rank, o.step, o.seq, o.group_seq, o.op, o.group.name, o.group.ranks, o.peer, o.nbytes,
-            o.dtype, o.async_op, o.enter_wall, o.enter_mono, exit_wall, exit_mono, duration, device_ns,
-            status, error,
-        )
-
-    def timed(
-        self,
-        op: str,
-        group: Any,
-        tensor: torch.Tensor | list[torch.Tensor] | None = None,
-        *,
-        peer: int | None = None,
-    ) -> _Timed:
-        """Time a blocking collective issued in the body: ``with tracker.timed("all_reduce", g, t): ...``.
-
-        The body's exceptions pass through; the tracker's own never reach it."""
-        return _Timed(self, op, group, tensor, peer)
-
-    def _safe_exit(self, o: _Open, error: BaseException | None = None) -> None:
-        try:
-            self.exit(o, error)
-        except Exception as exc:
-            self._on_internal("collective.exit", exc)
+        return o._entered() + (exit_wall, exit_mono, duration, device_ns, status, error)
 
     # -- DDP ------------------------------------------------------------------------------------------
     def ddp_comm_hook(
@@ -303,7 +383,10 @@ class CollectiveTracker:
                         counters.grad_sq_dev = sq if counters.grad_sq_dev is None else counters.grad_sq_dev + sq
                     else:
                         counters.grad_sq += float(sq)
-                o = self.enter("all_reduce", group, buf, async_op=True)
+                o = _make(self, "all_reduce", group, buf, None, True)
+                o.__enter__()  # never raises; an internal error is counted and leaves no prefix
+                if o._prefix is None:  # entering failed: nothing to time
+                    o = None
             except Exception as exc:
                 self._on_internal("ddp_comm_hook", exc)
             try:
@@ -315,7 +398,7 @@ class CollectiveTracker:
                 fut = work.get_future()
             except BaseException as exc:
                 if o is not None:
-                    self._safe_exit(o, exc)
+                    o.__exit__(type(exc), exc, None)
                 raise
 
             def done(f: torch.futures.Future[Any]) -> torch.Tensor:
@@ -323,10 +406,10 @@ class CollectiveTracker:
                     value = f.value()
                 except BaseException as exc:
                     if o is not None:
-                        self._safe_exit(o, exc)
+                        o.__exit__(type(exc), exc, None)
                     raise
                 if o is not None:
-                    self._safe_exit(o)
+                    o.__exit__(None, None, None)  # never raises
                 return value[0] if isinstance(value, list) else value
 
             return fut.then(done)
@@ -338,13 +421,14 @@ class CollectiveTracker:
     # -- state for the writer and heartbeats ---------------------------------------------------------
     def in_flight_rows(self) -> Iterable[tuple[Table, Row]]:
         now = time.monotonic_ns()
-        for o in list(self._open.values()):
+        # a copy (the training thread adds and removes operations meanwhile), in the order they were entered
+        for o in sorted(list(self._live), key=_entry_order):
             if now - o.enter_mono >= self._inflight_after_ns:
                 yield Table.COLLECTIVES, self._row(o, None, None, None, None, _IN_FLIGHT, None)
 
     def oldest_open(self) -> _Open | None:
-        opened = list(self._open.values())
-        return min(opened, key=lambda o: o.enter_mono) if opened else None
+        opened = list(self._live)
+        return min(opened, key=_entry_order) if opened else None
 
     def resolve_cuda(self, *, wait: bool = False) -> None:
         """Append rows whose CUDA events completed (all of them, synchronizing, when `wait`)."""
@@ -354,8 +438,7 @@ class CollectiveTracker:
                 if wait:
                     o.cuda_end.synchronize()
                 device_ns = int(o.cuda_start.elapsed_time(o.cuda_end) * 1e6)
-                idx = column_names(Table.COLLECTIVES).index(Collectives.DEVICE_DURATION_NS)
-                self._append(Table.COLLECTIVES, row[:idx] + (device_ns,) + row[idx + 1 :])
+                self._append_row(row[:_DEVICE_IDX] + (device_ns,) + row[_DEVICE_IDX + 1 :])
             else:
                 still.append((o, row))
         self._pending_cuda = still

@@ -36,13 +36,14 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from rankwatch.collector.collectives import CollectiveTracker, GroupInfo, StepCounters, _Open
+from rankwatch.collector.collectives import CollectiveTracker, GroupInfo, StepCounters, _alloc, _Open
 from rankwatch.collector.fingerprint import fingerprint
 from rankwatch.collector.gpu import GpuMonitor, GpuSample, GpuSampler
 from rankwatch.collector.schema import CheckpointPhase, EventKind, Table
 from rankwatch.collector.sink import ParquetSink, Sink, SinkConfig
 
 log = logging.getLogger("rankwatch.collector")
+_mono, _wall = time.monotonic_ns, time.time_ns
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -110,33 +111,45 @@ class CheckpointPhaseRecord:
 
 
 class _Phase:
-    """A phase context (a class, not a generator: it is on the hot path, several times a step)."""
+    """A phase context (a class, not a generator: it is on the hot path, several times a step). Built by
+    `Collector.phase` without an `__init__` call."""
 
     __slots__ = ("_c", "_name", "_previous", "_start_mono", "_start_wall")
-
-    def __init__(self, collector: Collector, name: str) -> None:
-        self._c = collector
-        self._name = name
+    _c: Collector
+    _name: str
 
     def __enter__(self) -> None:
         c = self._c
         self._previous = c._phase
         c._phase = self._name
-        self._start_mono, self._start_wall = time.monotonic_ns(), time.time_ns()
+        self._start_mono, self._start_wall = _mono(), _wall()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        end = _mono()
         c = self._c
-        end = time.monotonic_ns()
         c._phase = self._previous
-        current = c._current
+        start = self._start_mono
         try:
-            c.sink.append(
-                Table.PHASES,
-                (c.rank, current.step if current is not None else -1, self._name, self._start_wall, self._start_mono,
-                 end - self._start_mono),
-            )
+            c._append_phase((c.rank, c._step_no, self._name, self._start_wall, start, end - start))
         except Exception as internal:
             c._internal_error("phase", internal)
+
+
+class _Step:
+    """The context of `Collector.step` (a class, not a generator: it is on the hot path). Built by
+    `Collector.step` without an `__init__` call."""
+
+    __slots__ = ("_c", "_step", "_record")
+    _c: Collector
+    _step: int
+
+    def __enter__(self) -> StepRecord:
+        record = self._record = self._c._begin_step(self._step)
+        return record
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc_type is None:  # a step that raises writes no step row (the exception event covers it)
+            self._c._end_step(self._record)
 
 
 def _process_numa_node() -> int | None:
@@ -203,9 +216,13 @@ class Collector:
         self._gpu_monitor: GpuMonitor | None = None
         self._prev_sigterm: Any = None
         self._reported_drops = 0
+        self._step_no = -1
+        """Number of the step in progress, -1 outside a step (what phase rows record)."""
+        self._append_phase = self.sink.appender(Table.PHASES)
+        self._append_step = self.sink.appender(Table.STEPS)
         self.tracker = CollectiveTracker(
             rank=rank,
-            append=self.sink.append,  # the tracker's own try/except wrappers catch a failing sink
+            append=self.sink.appender(Table.COLLECTIVES),  # the tracker's own try/except catches a failing sink
             on_error=self._collective_failed,
             on_internal=self._internal_error,
             inflight_after_s=config.inflight_after_s,
@@ -320,16 +337,17 @@ class Collector:
         )
 
     # -- steps and phases -----------------------------------------------------------------------------
-    @contextmanager
-    def step(self, step: int) -> Iterator[StepRecord]:
-        """Time one training step. A step that raises writes no step row (the exception event covers it)."""
-        record = self._begin_step(step)
-        yield record
-        self._end_step(record)
+    def step(self, step: int) -> _Step:
+        """Context manager timing one training step; yields its `StepRecord`. A step that raises writes no step
+        row (the exception event covers it)."""
+        context: _Step = _alloc(_Step)
+        context._c, context._step = self, step
+        return context
 
     def _begin_step(self, step: int) -> StepRecord:
-        start_mono, start_wall = time.monotonic_ns(), time.time_ns()
-        record = StepRecord(step=step, counters=StepCounters(step), start_wall_ns=start_wall, start_mono_ns=start_mono)
+        start_mono, start_wall = _mono(), _wall()
+        counters = StepCounters(step)
+        record = StepRecord(step=step, counters=counters, start_wall_ns=start_wall, start_mono_ns=start_mono)
         pending = self._pending_wait
         if pending is not None:  # the batch for this step was fetched just before it began
             self._pending_wait = None
@@ -337,42 +355,52 @@ class Collector:
             record.start_wall_ns -= start_mono - pending[0]
             record.start_mono_ns = pending[0]
         self._current = record
-        self.tracker.counters = record.counters
+        self._step_no = step
+        self.tracker.counters = counters
         return record
 
-    @_safe
     def _end_step(self, record: StepRecord) -> None:
-        end_mono, end_wall = time.monotonic_ns(), time.time_ns()
-        self._current = None
-        self.tracker.counters = None
-        self._last_step = record.step
-        counters = record.counters
-        duration = end_mono - record.start_mono_ns
-        wait = counters.blocked_ns + counters.async_exposed_ns()
-        compute = max(0, duration - wait - record.dataloader_wait_ns - record.checkpoint_ns)
-        loss = record.loss
-        if isinstance(loss, torch.Tensor):
-            loss = float(loss.detach())
-        grad_norm = record.local_grad_norm
-        if grad_norm is None and (counters.grad_sq or counters.grad_sq_dev is not None):
-            sq = counters.grad_sq + (float(counters.grad_sq_dev) if counters.grad_sq_dev is not None else 0.0)
-            grad_norm = sq**0.5
-        finite = (loss is None or math.isfinite(loss)) and (grad_norm is None or math.isfinite(grad_norm))
-        position = record.data_position if record.data_position is not None else self._data_position
-        self._append(
-            Table.STEPS,
-            (
-                self.rank, record.step, self.attempt, record.start_wall_ns, end_wall, record.start_mono_ns, end_mono,
-                duration, compute, wait, record.dataloader_wait_ns, record.checkpoint_ns, counters.seq,
-                loss, grad_norm, finite, position,
-            ),
-        )
-        if self.tracker._pending_cuda:
-            self.tracker.resolve_cuda()
+        end_mono, end_wall = _mono(), _wall()
+        try:
+            self._current = None
+            self._step_no = -1
+            tracker = self.tracker
+            tracker.counters = None
+            step = self._last_step = record.step
+            counters = record.counters
+            start_mono = record.start_mono_ns
+            duration = end_mono - start_mono
+            wait = counters.blocked_ns
+            if counters.async_last_exit_mono > counters.async_last_enter_mono:  # async collectives ended in the step
+                wait += counters.async_exposed_ns()
+            dataloader_wait, checkpoint = record.dataloader_wait_ns, record.checkpoint_ns
+            compute = max(0, duration - wait - dataloader_wait - checkpoint)
+            loss = record.loss
+            if isinstance(loss, torch.Tensor):
+                loss = float(loss.detach())
+            grad_norm = record.local_grad_norm
+            if grad_norm is None and (counters.grad_sq or counters.grad_sq_dev is not None):
+                sq = counters.grad_sq + (float(counters.grad_sq_dev) if counters.grad_sq_dev is not None else 0.0)
+                grad_norm = sq**0.5
+            finite = (loss is None or math.isfinite(loss)) and (grad_norm is None or math.isfinite(grad_norm))
+            position = record.data_position if record.data_position is not None else self._data_position
+            self._append_step(
+                (
+                    self.rank, step, self.attempt, record.start_wall_ns, end_wall, start_mono, end_mono,
+                    duration, compute, wait, dataloader_wait, checkpoint, counters.seq,
+                    loss, grad_norm, finite, position,
+                )
+            )
+            if tracker._pending_cuda:
+                tracker.resolve_cuda()
+        except Exception as exc:
+            self._internal_error("_end_step", exc)
 
     def phase(self, name: str) -> _Phase:
         """Context manager timing a named phase of the current step (forward, backward, optimizer, ...)."""
-        return _Phase(self, name)
+        context: _Phase = _alloc(_Phase)
+        context._c, context._name = self, name
+        return context
 
     def wrap_loader(self, iterable: Iterable[R], *, position: Callable[[], int] | None = None) -> Iterator[R]:
         """Yield from `iterable`, recording time blocked in each fetch and the data position after it."""
@@ -409,7 +437,9 @@ class Collector:
         peer: int | None = None,
     ) -> Any:
         """Context manager timing the blocking collective issued in its body."""
-        return self.tracker.timed(op, group, tensor, peer=peer)
+        o: _Open = _alloc(_Open)  # `collectives._make`, inlined: this runs per collective
+        o._tracker, o.op, o._group_obj, o._tensor, o.peer, o.async_op = self.tracker, op, group, tensor, peer, False
+        return o
 
     def ddp_comm_hook(self, group: Any = None, *, before: Callable[[GroupInfo], None] | None = None) -> Any:
         """A DDP comm hook that times each gradient bucket and measures the pre-all-reduce gradient norm."""
