@@ -39,6 +39,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="resume from the newest usable checkpoint in --run-dir (train on to --steps)")
     p.add_argument("--device-shift", type=int, default=0, metavar="K",
                    help="place local rank l on device slot (l+K) mod ranks-per-host (a restart on other GPUs)")
+    p.add_argument("--rollup-every", type=float, default=None, metavar="SECONDS",
+                   help="run a rollup agent for every virtual host while the job runs: merge each host's new rank "
+                        "part files into one host part per table every SECONDS (a monitor of many ranks reads fewer "
+                        "files); see `rankwatch rollup`")
     p.add_argument("--supervise", type=int, default=0, metavar="N",
                    help="recover the job up to N times: after each attempt, analyze, decide the narrowest safe "
                         "recovery, preserve evidence and relaunch behind the consistency gate")
@@ -50,6 +54,10 @@ def _train(args: argparse.Namespace) -> int:
     from rankwatch.trainer.launch import launch
     from rankwatch.trainer.parallel import Layout
 
+    if args.rollup_every is not None and args.rollup_every <= 0:
+        raise ValueError(f"--rollup-every must be > 0 seconds, got {args.rollup_every}")
+    if args.supervise and args.rollup_every is not None:
+        raise ValueError("--rollup-every and --supervise: run `rankwatch rollup RUN_DIR --all` beside a supervised job")
     cfg = CanaryConfig(
         run_dir=args.run_dir,
         steps=args.steps,
@@ -78,7 +86,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"rankwatch train: {len(out.records)} recovery(ies); {out.stopped}")
         result = out.final
     else:
-        result = launch(cfg, timeout_s=args.timeout)
+        result = launch(cfg, timeout_s=args.timeout, rollup_interval_s=args.rollup_every)
     codes = ", ".join(f"{r}:{c}" for r, c in enumerate(result.exit_codes))
     print(f"rankwatch train: finished in {result.duration_s:.1f}s; exit codes {codes}")
     if result.terminated:
@@ -294,6 +302,45 @@ def _recover(args: argparse.Namespace) -> int:
     return 0 if rec.ok else 1
 
 
+def _rollup_parser(sub: argparse._SubParsersAction) -> None:
+    from rankwatch.collector.rollup import DEFAULT_KEEP_S
+
+    p = sub.add_parser("rollup", help="host agent: merge each host's new rank part files into one part per table")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--host", action="append", default=[], metavar="H", help="roll up this host's ranks (repeatable)")
+    p.add_argument("--all", action="store_true", help="every host in the run's topology")
+    p.add_argument("--interval", type=float, default=30.0, metavar="SECONDS", help="seconds between rounds")
+    p.add_argument("--once", action="store_true", help="one round, then exit")
+    p.add_argument("--keep", type=float, default=DEFAULT_KEEP_S, metavar="SECONDS",
+                   help="delete covered rank parts only this long after the rollup that covers them was published")
+    p.add_argument("--no-delete", action="store_true", help="leave covered rank parts in place")
+
+
+def _rollup(args: argparse.Namespace) -> int:
+    from rankwatch.collector.rollup import RollupResult, run_agent
+
+    if bool(args.host) == args.all:
+        raise ValueError("give --host H (repeatable) or --all")
+    rounds = 0
+
+    def report(results: list[RollupResult]) -> None:
+        nonlocal rounds
+        rounds += 1
+        for r in results:
+            for w in r.warnings:
+                print(f"rankwatch rollup: warning: {w}", file=sys.stderr)
+            if r.rank_parts or args.host:
+                deleted = sum(t.deleted for t in r.tables)
+                print(f"  {r.host}: {r.rank_parts} rank part(s) of {len(r.ranks)} rank(s) -> {r.host_parts} host "
+                      f"part(s), {deleted} covered rank part(s) deleted ({r.seconds:.2f}s)")
+        print(f"rankwatch rollup: round {rounds}: {len(results)} host(s), "
+              f"{sum(r.rank_parts for r in results)} rank part(s) rolled up", flush=True)
+
+    run_agent(args.run_dir, args.host or None, interval_s=args.interval, rounds=1 if args.once else None,
+              delete=not args.no_delete, keep_s=args.keep, report=report)
+    return 0
+
+
 def _telemetry(args: argparse.Namespace) -> int:
     _print_summary(args.run_dir)
     return 0
@@ -349,10 +396,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rc.add_argument("--history", type=Path, nargs="*", default=[], metavar="RUN",
                     help="other runs of the job, for recurrence (does a fault follow a device, host or link?)")
     rc.add_argument("--timeout", type=float, default=None, help="terminate a relaunch after this many seconds")
+    _rollup_parser(sub)
     args = parser.parse_args(argv)
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
                 "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,
-                "evidence": _evidence, "recover": _recover}
+                "evidence": _evidence, "recover": _recover, "rollup": _rollup}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # bad input: one line, no traceback

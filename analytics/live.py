@@ -6,11 +6,17 @@ holds a `LiveAnalyzer` instead: `refresh()` lists the part files, reads only tho
 are immutable: the collector writes each under a temporary name and renames it), appends their rows to in-memory
 tables, and drops rows older than `keep_steps`; `analyze()` then runs every detector on the latest
 `window_steps` steps.
+
+Host rollups (`collector.rollup`) move rows the analyzer may already hold into a host part and may delete the rank
+parts they came from. The analyzer remembers, per table and rank, which rank part numbers it has read; a new host
+part's footer names the rank parts it covers, so it reads only the rows of those it has not read (none, some or
+all of the host part). Every row of the run is held exactly once.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +25,25 @@ import duckdb
 from rankwatch.analytics.analyze import Analysis, Progress, detect_all
 from rankwatch.analytics.errors import RunDirError
 from rankwatch.analytics.queries import load_frames
-from rankwatch.analytics.store import ANALYZED_TABLES, parquet_source, part_files, readable_parts
+from rankwatch.analytics.store import (
+    ANALYZED_TABLES,
+    analyzed_columns,
+    parquet_source,
+    part_footers,
+    readable_parts,
+    table_parts,
+)
+from rankwatch.collector.rollup import COVERS_KEY, PartListing, part_number, rank_of_part, read_covers
 from rankwatch.collector.schema import EventKind, Table
+
+_RELIST_TRIES = 5
+_REFRESH_THREADS = 3
+"""Tables read at once by `LiveAnalyzer.refresh`."""
+
+
+class _Vanished(Exception):
+    """A listed part file was gone when read."""
+
 
 # Tables whose rows carry the step they belong to, trimmed to the latest `keep_steps`.
 _STEPPED = (Table.STEPS, Table.COLLECTIVES, Table.GPU, Table.CHECKPOINT_PHASES, Table.FINGERPRINTS)
@@ -35,11 +58,21 @@ class LiveConfig:
     and topology are kept."""
     anomaly: bool = True
     """Run the anomaly model."""
+    rank_parts: bool = True
+    """Read rank part files no host rollup covers yet. False reads host rollups only (every host runs a rollup
+    agent): a refresh then lists no rank folder, and rows reach memory one agent round later."""
+    rollup_fresh_s: float | None = 60.0
+    """The folders of ranks whose host rollup manifest was published within this many seconds are not listed: a
+    running agent brings their rows in its next host part (one agent round later), and listing 2,048 rank folders
+    per table costs a refresh more than reading 256 host parts. A host whose agent stopped, or that has none, is
+    read from its rank folders. None lists every rank folder at every refresh."""
 
     def __post_init__(self) -> None:
         if self.window_steps < 1 or self.keep_steps < self.window_steps:
             raise ValueError(f"LiveConfig: window_steps {self.window_steps} must be >= 1 and keep_steps "
                              f"{self.keep_steps} >= window_steps")
+        if self.rollup_fresh_s is not None and self.rollup_fresh_s <= 0:
+            raise ValueError(f"LiveConfig: rollup_fresh_s {self.rollup_fresh_s} must be > 0 (or None)")
 
 
 class LiveAnalyzer:
@@ -50,36 +83,127 @@ class LiveAnalyzer:
         self.config = config
         self.con = duckdb.connect()
         self._seen: set[Path] = set()
+        self._direct: dict[Table, dict[int, set[int]]] = {t: {} for t in Table}
+        """Per table, per rank: numbers of the rank parts read from their own file whose rows no host part read
+        since holds. Only a new host part that covers one of them needs its footer read."""
         self._tables: set[Table] = set()
         self.warnings: list[str] = []
 
     def refresh(self) -> int:
         """Read the part files not seen yet; returns how many. A part that cannot be read is left out with a
         warning (and tried again at the next refresh, in case it was still being replaced); a part of an unknown
-        schema version raises `SchemaVersionError`."""
-        added = 0
-        for table in Table:
-            if table not in ANALYZED_TABLES:
-                continue
-            new = [f for f in part_files(self.run_dir, table) if f not in self._seen]
-            if not new:
-                continue
-            readable, problems = readable_parts(self.con, new)
-            self.warnings.extend(f"{p} — left out for now" for p in problems)
-            good = [f for f in new if f in readable]
-            if not good:
-                continue
-            source = parquet_source(good)
-            if table in self._tables:
-                self.con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM {source}")
-            else:
-                self.con.execute(f"CREATE TABLE {table} AS SELECT * FROM {source}")
-                self._tables.add(table)
-            self._seen.update(good)
-            added += len(good)
+        schema version raises `SchemaVersionError`.
+
+        Tables are read concurrently, each on its own DuckDB cursor: reading many small files has single-threaded
+        stretches per statement (opening files, footers) that another table's statement fills."""
+        tables = [t for t in Table if t in ANALYZED_TABLES]
+        # the order of rows in memory carries no meaning (files arrive in any order): not keeping it reads faster
+        self.con.execute("SET preserve_insertion_order = false")
+        try:
+            with ThreadPoolExecutor(max_workers=_REFRESH_THREADS, thread_name_prefix="rankwatch-refresh") as pool:
+                added = sum(pool.map(self._refresh_table, tables))
+        finally:
+            self.con.execute("RESET preserve_insertion_order")
         if added:
             self._trim()
         return added
+
+    def _refresh_table(self, table: Table) -> int:
+        con = self.con.cursor()  # one per table: statements on different cursors run concurrently
+        try:
+            for attempt in range(_RELIST_TRIES):
+                listing = table_parts(self.run_dir, table, rank_parts=self.config.rank_parts,
+                                      fresh_s=self.config.rollup_fresh_s)
+                try:
+                    return self._ingest(con, table, listing)
+                except _Vanished:
+                    # a listed rank part was deleted after a rollup covering it was published: list again
+                    if attempt == _RELIST_TRIES - 1:
+                        raise RunDirError(f"{self.run_dir}: {table} part files keep vanishing while being read "
+                                          "(a rollup agent deleting faster than a refresh lists?)") from None
+            return 0
+        finally:
+            con.close()
+
+    def _ingest(self, con: duckdb.DuckDBPyConnection, table: Table, listing: PartListing) -> int:
+        direct = self._direct[table]
+        hosts: list[Path] = []  # new host parts holding no row held already: read without opening their footers
+        check: list[Path] = []  # new host parts that may hold rows held already, and new rank parts: footers first
+        for directory, manifest in listing.manifests:
+            new = [directory / p for p in manifest.parts if directory / p not in self._seen]
+            overlap = any(cov.covers(n) for r, cov in manifest.ranks.items() for n in direct.get(r, ()))
+            (check if overlap else hosts).extend(new)
+        loose = {f: (r, n) for f in listing.rank_parts
+                 if f not in self._seen and (r := rank_of_part(f)) is not None and (n := part_number(f)) is not None}
+        check.extend(loose)
+        meta: dict[Path, dict[bytes, bytes]] = {}
+        if check:
+            meta, problems = part_footers(con, check, keys=(COVERS_KEY,))
+            self.warnings.extend(f"{p} — left out for now" for p in problems)
+        partial: list[tuple[Path, list[tuple[int, int]], list[tuple[int, int]]]] = []
+        for f in check:
+            if f not in meta or f in loose:
+                continue
+            covers = read_covers(meta[f].get(COVERS_KEY), path=f)
+            held, offset = [], 0
+            for r, n, rows in covers:
+                if n in direct.get(r, ()):
+                    held.append((r, n, offset, offset + rows - 1))
+                offset += rows
+            if not held:
+                hosts.append(f)
+            else:
+                partial.append((f, [(lo, hi) for _, _, lo, hi in held], [(r, n) for r, n, _, _ in held]))
+        ranks = [f for f in loose if f in meta]
+        # each statement reads all or nothing; what it read is recorded before the next one can fail
+        done = self._insert(con, table, [*hosts, *ranks]) if hosts or ranks else set()
+        for f in done:
+            self._seen.add(f)
+            if f in loose:
+                r, n = loose[f]
+                direct.setdefault(r, set()).add(n)
+        for f, skip, held_parts in partial:
+            rows_held = len(skip) == len(read_covers(meta[f].get(COVERS_KEY), path=f))
+            if not rows_held:  # some of it is new: read it but the rows of rank parts held already
+                where = " OR ".join(f"file_row_number BETWEEN {lo} AND {hi}" for lo, hi in skip)
+                if not self._insert(con, table, [f], where=f"NOT ({where})"):
+                    continue
+                done.add(f)
+            for r, n in held_parts:
+                direct[r].discard(n)
+            self._seen.add(f)
+        return len(done)
+
+    def _insert(self, con: duckdb.DuckDBPyConnection, table: Table, files: list[Path], *,
+                where: str = "") -> set[Path]:
+        """Append the rows of `files` (those matching `where`, over `file_row_number`) to `table`; returns the
+        files read. A file that cannot be read is left out with a warning; a file gone raises `_Vanished`."""
+        try:
+            self._insert_sql(con, table, files, where)
+            return set(files)
+        except duckdb.Error:
+            if not all(f.exists() for f in files):
+                raise _Vanished from None
+        readable, problems = readable_parts(con, files)  # file by file, naming what is wrong
+        self.warnings.extend(f"{p} — left out for now" for p in problems)
+        good = [f for f in files if f in readable]
+        if good:
+            self._insert_sql(con, table, good, where)
+        return set(good)
+
+    def _insert_sql(self, con: duckdb.DuckDBPyConnection, table: Table, files: list[Path], where: str) -> None:
+        # the columns analysis reads (what a one-shot analysis keeps in memory too)
+        columns = analyzed_columns(table)
+        if where:
+            source = (f"(SELECT {columns} FROM (SELECT * EXCLUDE (file_row_number) "
+                      f"FROM {parquet_source(files, row_number=True)} WHERE {where}))")
+        else:
+            source = f"(SELECT {columns} FROM {parquet_source(files, union_by_name=False)})"
+        if table in self._tables:
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM {source}")
+        else:
+            con.execute(f"CREATE TABLE {table} AS SELECT * FROM {source}")
+            self._tables.add(table)
 
     def _trim(self) -> None:
         if Table.STEPS not in self._tables:

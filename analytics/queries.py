@@ -11,6 +11,7 @@ to the latest window of the run. A table the run never wrote gives an empty fram
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from pathlib import Path
 
 import duckdb
@@ -25,7 +26,15 @@ from rankwatch.collector.schema import CollectiveStatus, EventKind, Table
 _MEMBER_OPS = "('all_reduce', 'all_gather', 'reduce_scatter', 'broadcast', 'barrier', 'all_to_all')"
 
 
+_KNOWN_TABLES: ContextVar[tuple[duckdb.DuckDBPyConnection, frozenset[str]] | None] = ContextVar(
+    "rankwatch_known_tables", default=None)
+"""The tables of one connection while `load_frames` runs its queries (the catalog does not change meanwhile)."""
+
+
 def _tables(con: duckdb.DuckDBPyConnection) -> set[str]:
+    known = _KNOWN_TABLES.get()
+    if known is not None and known[0] is con:
+        return set(known[1])
     return {r[0] for r in con.execute(
         "SELECT view_name FROM duckdb_views() WHERE NOT internal UNION SELECT table_name FROM duckdb_tables()").fetchall()}
 
@@ -57,10 +66,32 @@ def groups(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
     """Every process group of the run once: kind, members, their hosts and the inter-host links it crosses."""
     if Table.TOPOLOGY not in _tables(con):
         return conform("groups", None)
-    return conform("groups", _frame(con, """
-        SELECT g.name AS "group", any_value(g.kind) AS kind, any_value(g.ranks) AS ranks,
-               any_value(g.hosts) AS hosts, any_value(g.links) AS links
-        FROM (SELECT unnest(groups) AS g FROM topology) GROUP BY g.name ORDER BY g.name"""))
+    return conform("groups", _frame(con, f"""
+        SELECT "group", kind, ranks, hosts, links FROM {_group_info(con)} ORDER BY "group" ASC"""))
+
+
+_GROUP_INFO = "_rankwatch_group_info"
+
+
+def _group_info(con: duckdb.DuckDBPyConnection) -> str:
+    """A temporary table with one row per process group ("group", kind, ranks, hosts, links), read from the
+    topology once and again only when the topology changes. Every rank's topology row lists its groups with all
+    members, hosts and links; reading that column costs more than any other query of a window, so the three queries
+    that need the groups share one read."""
+    key = con.execute("SELECT count(*), max(start_wall_ns), max(attempt) FROM topology").fetchall()[0]
+    try:
+        cached = con.execute(f"SELECT n, t, a FROM {_GROUP_INFO}_key").fetchall()
+    except duckdb.CatalogException:
+        cached = []
+    if [key] != cached:
+        con.execute(f"""
+            CREATE OR REPLACE TEMP TABLE {_GROUP_INFO} AS
+            SELECT g.name AS "group", any_value(g.kind) AS kind, any_value(g.ranks) AS ranks,
+                   any_value(g.hosts) AS hosts, any_value(g.links) AS links
+            FROM (SELECT unnest(groups) AS g FROM topology) GROUP BY g.name""")
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {_GROUP_INFO}_key AS SELECT $1::BIGINT AS n, $2::BIGINT AS t, "
+                    "$3::BIGINT AS a", list(key))
+    return _GROUP_INFO
 
 
 def steps(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
@@ -95,7 +126,7 @@ def lateness(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> p
         GROUP BY c.rank, c.step ORDER BY c.rank, c.step"""))
 
 
-def _op_transfers_sql(since_step: int | None) -> str:
+def _op_transfers_sql(since_step: int | None, group_info: str) -> str:
     """One row per operation that moved bytes: its group, group kind, step, transfer time, bytes, and the
     inter-host links it crossed.
 
@@ -105,8 +136,7 @@ def _op_transfers_sql(since_step: int | None) -> str:
     between a's and b's hosts."""
     ok = f"status = '{CollectiveStatus.OK}' AND duration_ns IS NOT NULL AND bytes > 0 {_since(since_step)}"
     return f"""
-        g AS (SELECT g.name AS "group", any_value(g.kind) AS kind, any_value(g.links) AS links
-              FROM (SELECT unnest(groups) AS g FROM topology) GROUP BY g.name),
+        g AS (SELECT "group", kind, links FROM {group_info}),
         host AS (SELECT rank, arg_max(host, attempt) AS host FROM topology GROUP BY rank),
         coll AS (
             SELECT "group", step, group_seq, min(duration_ns) AS transfer_ns, max(bytes) AS bytes
@@ -136,8 +166,12 @@ def group_transfer(con: duckdb.DuckDBPyConnection, since_step: int | None = None
     """Per group per step: the median transfer time of its operations (see `_op_transfers_sql`)."""
     if not {Table.COLLECTIVES, Table.TOPOLOGY} <= _tables(con):
         return conform("group_transfer", None)
+    return _group_transfer(con, _op_transfers_sql(since_step, _group_info(con)))
+
+
+def _group_transfer(con: duckdb.DuckDBPyConnection, ops: str) -> pl.DataFrame:
     return conform("group_transfer", _frame(con, f"""
-        WITH {_op_transfers_sql(since_step)}
+        WITH {ops}
         SELECT "group", kind, step, count(*) AS ops, sum(bytes) AS bytes, median(transfer_ns)::BIGINT AS transfer_ns
         FROM op GROUP BY ALL ORDER BY "group", step"""))
 
@@ -147,12 +181,33 @@ def links(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.D
     crossed it, and the effective bandwidth in Gbit/s."""
     if not {Table.COLLECTIVES, Table.TOPOLOGY} <= _tables(con):
         return conform("links", None)
+    return _links(con, _op_transfers_sql(since_step, _group_info(con)))
+
+
+def _links(con: duckdb.DuckDBPyConnection, ops: str) -> pl.DataFrame:
     return conform("links", _frame(con, f"""
-        WITH {_op_transfers_sql(since_step)},
+        WITH {ops},
         l AS (SELECT kind, step, transfer_ns, bytes, unnest(links) AS link FROM op)
         SELECT link, kind, step, count(*) AS ops, sum(bytes) AS bytes, median(transfer_ns)::BIGINT AS transfer_ns,
                sum(bytes) * 8.0 / greatest(sum(transfer_ns), 1) AS gbps
         FROM l GROUP BY ALL ORDER BY link, kind, step"""))
+
+
+_OPS = "_rankwatch_op_transfers"
+
+
+def _links_and_group_transfer(con: duckdb.DuckDBPyConnection,
+                              since_step: int | None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """`links` and `group_transfer` from one computation of the operations they both aggregate."""
+    if not {Table.COLLECTIVES, Table.TOPOLOGY} <= _tables(con):
+        return conform("links", None), conform("group_transfer", None)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {_OPS} AS WITH {_op_transfers_sql(since_step, _group_info(con))} "
+                "SELECT * FROM op")
+    try:
+        shared = f"op AS (SELECT * FROM {_OPS})"
+        return _links(con, shared), _group_transfer(con, shared)
+    finally:
+        con.execute(f"DROP TABLE {_OPS}")
 
 
 def gpu(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
@@ -263,14 +318,15 @@ def end_wall_ns(con: duckdb.DuckDBPyConnection) -> int:
     return int(con.execute(f"SELECT max(t) FROM ({' UNION ALL '.join(parts)})").fetchall()[0][0] or 0)
 
 
-def heartbeat_interval_ns(con: duckdb.DuckDBPyConnection) -> int:
-    """The collector's heartbeat period, from the median gap between a rank's heartbeats (1 s if unknown)."""
+def heartbeat_interval_ns(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> int:
+    """The collector's heartbeat period, from the median gap between a rank's heartbeats (from `since_step` on:
+    heartbeats carry the step in progress); 1 s if unknown."""
     if Table.EVENTS not in _tables(con):
         return 1_000_000_000
     gap = con.execute(f"""
         SELECT median(d) FROM (
             SELECT wall_ns - lag(wall_ns) OVER (PARTITION BY rank, attempt ORDER BY wall_ns) AS d
-            FROM events WHERE kind = '{EventKind.HEARTBEAT}') WHERE d > 0""").fetchall()[0][0]
+            FROM events WHERE kind = '{EventKind.HEARTBEAT}' {_since(since_step)}) WHERE d > 0""").fetchall()[0][0]
     return int(gap) if gap else 1_000_000_000
 
 
@@ -282,15 +338,20 @@ def load_frames(run_dir: Path | str | None = None, *, con: duckdb.DuckDBPyConnec
         if run_dir is None:
             raise ValueError("load_frames: give a run directory or a connection")
         con = connect(run_dir)
-    return Frames(
-        topology=topology(con), groups=groups(con), steps=steps(con, since_step),
-        lateness=lateness(con, since_step), links=links(con, since_step),
-        group_transfer=group_transfer(con, since_step), gpu=gpu(con, since_step),
-        checkpoints=checkpoints(con, since_step), fingerprints=fingerprints(con, since_step),
-        events=events(con), liveness=liveness(con), open_collectives=open_collectives(con),
-        collective_errors=collective_errors(con), end_wall_ns=end_wall_ns(con),
-        heartbeat_interval_ns=heartbeat_interval_ns(con),
-    )
+    token = _KNOWN_TABLES.set((con, frozenset(_tables(con))))  # every query asks; the catalog stays as it is
+    try:
+        link_frame, transfer_frame = _links_and_group_transfer(con, since_step)
+        return Frames(
+            topology=topology(con), groups=groups(con), steps=steps(con, since_step),
+            lateness=lateness(con, since_step), links=link_frame,
+            group_transfer=transfer_frame, gpu=gpu(con, since_step),
+            checkpoints=checkpoints(con, since_step), fingerprints=fingerprints(con, since_step),
+            events=events(con), liveness=liveness(con), open_collectives=open_collectives(con),
+            collective_errors=collective_errors(con), end_wall_ns=end_wall_ns(con),
+            heartbeat_interval_ns=heartbeat_interval_ns(con, since_step),
+        )
+    finally:
+        _KNOWN_TABLES.reset(token)
 
 
 # -- the standard questions -------------------------------------------------------------------------------------

@@ -1,4 +1,7 @@
-"""DuckDB views over a run's hive-partitioned telemetry, with loud, one-line errors for bad input."""
+"""DuckDB views over a run's telemetry, with loud, one-line errors for bad input.
+
+A table's files are its committed host rollups and the rank part files no rollup covers (`collector.rollup`); every
+part file carries `rank` as a column, so the two layouts are read together, rank from the files."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import duckdb
 import pyarrow.parquet as pq
 
 from rankwatch.analytics.errors import RunDirError, SchemaVersionError
+from rankwatch.collector.rollup import MANIFEST, PartListing, RollupError, list_parts
 from rankwatch.collector.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, TELEMETRY_DIR, Table
 
 
@@ -34,11 +38,30 @@ def telemetry_dir(run_dir: Path | str) -> Path:
 
 
 def part_files(run_dir: Path | str, table: Table) -> list[Path]:
-    return sorted((telemetry_dir(run_dir) / str(table)).glob("rank=*/part-*.parquet"))
+    """The files that hold `table`'s rows, each row once: committed host rollups, then uncovered rank parts."""
+    return table_parts(run_dir, table).files
 
 
-def check_part(path: Path) -> None:
-    """Raise a one-line error if a part file is unreadable or of an unknown schema version."""
+def table_parts(run_dir: Path | str, table: Table, *, rank_parts: bool = True,
+                fresh_s: float | None = None) -> PartListing:
+    """`part_files` with the host manifests (see `collector.rollup.list_parts`; without `rank_parts`, host parts
+    only; with `fresh_s`, no rank folder of a host whose agent published within `fresh_s` seconds). Host parts of
+    another schema version raise `SchemaVersionError`, naming their manifest."""
+    telemetry_dir(run_dir)
+    try:
+        listing = list_parts(run_dir, table, rank_parts=rank_parts, fresh_s=fresh_s)
+    except RollupError as exc:
+        raise RunDirError(str(exc)) from None
+    for directory, manifest in listing.manifests:
+        if manifest.schema_version != SCHEMA_VERSION:
+            raise SchemaVersionError(f"{directory / MANIFEST}: host parts of schema version {manifest.schema_version}, "
+                                     f"this rankwatch reads {SCHEMA_VERSION}")
+    return listing
+
+
+def check_part(path: Path) -> dict[bytes, bytes]:
+    """Raise a one-line error if a part file is unreadable or of an unknown schema version; else its footer
+    metadata."""
     try:
         meta = pq.read_schema(path).metadata or {}
     except Exception as exc:
@@ -47,6 +70,7 @@ def check_part(path: Path) -> None:
     if version is None or int(version) != SCHEMA_VERSION:
         found = version.decode() if version else "none"
         raise SchemaVersionError(f"{path}: schema version {found}, this rankwatch reads {SCHEMA_VERSION}")
+    return dict(meta)
 
 
 def connect(run_dir: Path | str, *, check: bool = True) -> duckdb.DuckDBPyConnection:
@@ -75,6 +99,8 @@ class RunStore:
     """Tables with at least one readable part."""
 
 
+_RELIST_TRIES = 5
+
 ANALYZED_TABLES: frozenset[Table] = frozenset(Table) - {Table.PHASES}
 """Tables the detectors read (phases are for people, not for detection)."""
 
@@ -85,12 +111,17 @@ def open_run(run_dir: Path | str, *, tables: Collection[Table] = ANALYZED_TABLES
     because its columns could mean something else; a run with no telemetry at all is an error. `materialize`
     then reads what many queries share into memory once."""
     tel = telemetry_dir(run_dir)
-    by_table = {table: part_files(run_dir, table) for table in Table if table in tables}
-    every = [f for files in by_table.values() for f in files]
-    if not every:
-        raise RunDirError(f"{tel}: no telemetry part files — the run recorded nothing (or was cut before its first flush)")
     con = duckdb.connect()
-    readable, problems = readable_parts(con, every, threads=threads)
+    for _ in range(_RELIST_TRIES):
+        by_table = {table: part_files(run_dir, table) for table in Table if table in tables}
+        every = [f for files in by_table.values() for f in files]
+        if not every:
+            raise RunDirError(f"{tel}: no telemetry part files — the run recorded nothing (or was cut before its first "
+                              "flush)")
+        readable, problems = readable_parts(con, every, threads=threads)
+        if not any(not f.exists() for f in every if f not in readable):
+            break
+        # a rank part was deleted after a host rollup covering it was published: the listing is stale, list again
     warnings = [f"{p} — left out of the analysis" for p in problems]
     kept, present = 0, set()
     for table, files in by_table.items():
@@ -116,6 +147,19 @@ _MATERIALIZED: dict[Table, str] = {
 }
 
 
+_UNANALYZED: dict[Table, str] = {
+    # read by no detector (queries.gpu aggregates the rest); a GPU sample has the most columns of any table, and a
+    # parquet reader pays per column chunk, so a live monitor reading every host's new part leaves them on disk
+    Table.GPU: "* EXCLUDE (device_index, pci_bus_id, source, wall_ns, mono_ns, mem_clock_mhz, mem_util_pct, "
+               "mem_used_bytes, ecc_sbe_aggregate, ecc_dbe_aggregate, remapped_rows_pending)",
+}
+
+
+def analyzed_columns(table: Table) -> str:
+    """The column list analysis keeps in memory for `table` (a DuckDB select list: "*" or "* EXCLUDE (...)")."""
+    return _MATERIALIZED.get(table) or _UNANALYZED.get(table, "*")
+
+
 def materialize(store: RunStore, *, since_step: int | None = None) -> None:
     """Read the tables several queries use into memory once (see `_MATERIALIZED`), keeping only steps from
     `since_step` on (events: every non-heartbeat event, heartbeats from that step on)."""
@@ -137,47 +181,70 @@ def readable_parts(con: duckdb.DuckDBPyConnection, files: list[Path], *,
     """The files that are readable parquet of this rankwatch's schema version, and one error per file that is not
     (naming it). A part of another schema version raises `SchemaVersionError`: its columns could mean something
     else. One fast pass over all footers; file by file only when that pass finds something off."""
-    if _versions_ok(con, files):
-        return set(files), ()
+    meta, problems = part_footers(con, files, threads=threads)
+    return set(meta), problems
+
+
+def part_footers(con: duckdb.DuckDBPyConnection, files: list[Path], *, keys: Collection[bytes] = (),
+                 threads: int = 8) -> tuple[dict[Path, dict[bytes, bytes]], tuple[RunDirError, ...]]:
+    """`readable_parts`, with the footer metadata values of `keys` of each readable file, read in the same pass."""
+    wanted = {SCHEMA_VERSION_KEY, *keys}
+    fast = _footers_fast(con, files, wanted)
+    if fast is not None:
+        return fast, ()
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        problems = list(zip(files, pool.map(_part_problem, files)))
-    for _, problem in problems:
+        checked = list(zip(files, pool.map(_part_problem, files)))
+    for _, problem in checked:
         if isinstance(problem, SchemaVersionError):
             raise problem
-    bad = tuple(p for _, p in problems if isinstance(p, RunDirError))
-    return {f for f, p in problems if p is None}, bad
+    bad = tuple(p for _, p in checked if isinstance(p, RunDirError))
+    good = {f: {k: v for k, v in p.items() if k in wanted} for f, p in checked if isinstance(p, dict)}
+    return good, bad
 
 
-def parquet_source(files: list[Path], *, union_by_name: bool = True) -> str:
-    """A DuckDB `read_parquet(...)` over exactly `files`, hive-partitioned (rank from the path)."""
+def parquet_source(files: list[Path], *, union_by_name: bool = True, row_number: bool = False) -> str:
+    """A DuckDB relation over exactly `files`: rank from the files (a host rollup holds many ranks), as BIGINT like
+    the hive-partitioned rank layout gave it. With `row_number`, each row's 0-based place in its file as
+    `file_row_number`."""
     listing = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
     by_name = "true" if union_by_name else "false"
-    return f"read_parquet([{listing}], hive_partitioning=true, union_by_name={by_name})"
+    extra = ", file_row_number=true" if row_number else ""
+    return (f"(SELECT * REPLACE (CAST(rank AS BIGINT) AS rank) "
+            f"FROM read_parquet([{listing}], hive_partitioning=false, union_by_name={by_name}{extra}))")
 
 
-def _versions_ok(con: duckdb.DuckDBPyConnection, files: list[Path]) -> bool:
-    """True when every file is readable parquet carrying this rankwatch's schema version (one fast pass over the
-    footers in DuckDB); False when any is not, or the pass itself fails."""
+def _footers_fast(con: duckdb.DuckDBPyConnection, files: list[Path], keys: Collection[bytes]
+                  ) -> dict[Path, dict[bytes, bytes]] | None:
+    """The `keys` footer values of every file when every file is readable parquet carrying this rankwatch's schema
+    version (one pass over the footers in DuckDB); None when any is not, or the pass itself fails."""
+    if not files:
+        return {}
     try:
         rows = con.execute(
-            "SELECT count(*), count(*) FILTER (WHERE decode(value) = $2) FROM parquet_kv_metadata($1) "
-            "WHERE decode(key) = $3",
-            [[str(f) for f in files], str(SCHEMA_VERSION), SCHEMA_VERSION_KEY.decode()],
+            "SELECT file_name, key, value FROM parquet_kv_metadata($1) WHERE list_contains($2, decode(key))",
+            [[str(f) for f in files], sorted(k.decode() for k in keys)],
         ).fetchall()
     except duckdb.Error:
-        return False
-    total, matching = rows[0]
-    return bool(total == len(files) and matching == len(files))
+        return None
+    by_name: dict[str, dict[bytes, bytes]] = {}
+    for name, key, value in rows:
+        by_name.setdefault(str(name), {})[bytes(key)] = bytes(value)
+    version = str(SCHEMA_VERSION).encode()
+    out = {}
+    for f in files:
+        got = by_name.get(str(f))
+        if got is None or got.get(SCHEMA_VERSION_KEY) != version:
+            return None
+        out[f] = got
+    return out
 
 
-def _part_problem(path: Path) -> RunDirError | SchemaVersionError | None:
+def _part_problem(path: Path) -> RunDirError | SchemaVersionError | dict[bytes, bytes]:
+    """What is wrong with a part, or its footer metadata."""
     try:
-        check_part(path)
-    except RunDirError as exc:
+        return check_part(path)
+    except (RunDirError, SchemaVersionError) as exc:
         return exc
-    except SchemaVersionError as exc:
-        return exc
-    return None
 
 
 def _create_view(con: duckdb.DuckDBPyConnection, table: Table, files: list[Path], *, union_by_name: bool = True) -> None:

@@ -15,6 +15,7 @@ from rankwatch.collector.gpu import (
 )
 from rankwatch.collector.instrument import instrument_distributed
 from rankwatch.collector.null import NullCollector
+from rankwatch.collector.rollup import RollupError, RollupResult, list_parts, rollup_all, run_agent
 from rankwatch.collector.schema import SCHEMA_VERSION, Table
 from rankwatch.collector.sink import MemorySink, ParquetSink, Sink, SinkConfig
 
@@ -36,11 +37,16 @@ __all__ = [
     "NvmlSampler",
     "ParquetSink",
     "ReplaySampler",
+    "RollupError",
+    "RollupResult",
     "Sink",
     "SinkConfig",
     "StepRecord",
     "Table",
     "fingerprint",
     "instrument_distributed",
+    "list_parts",
     "open_sampler",
+    "rollup_all",
+    "run_agent",
 ]

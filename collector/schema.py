@@ -608,6 +608,18 @@ def render_markdown() -> str:
         "a half-written file. Clocks: `*_wall_ns` is `time.time_ns()` (comparable across hosts only up to "
         "their clock offset), `*_mono_ns` is `time.monotonic_ns()` (exact within one host only).",
         "",
+        "Host rollups (optional: `rankwatch rollup`, or `rankwatch train --rollup-every S`): an agent per host "
+        "merges its ranks' new part files into one part per table, "
+        f"`<run>/{TELEMETRY_DIR}/<table>/_rollup/host=<h>/part-<n>.parquet`, with the same columns "
+        f"(`{PARTITION_KEY}` is a column of every part file, so both layouts read alike). The commit point is the "
+        "host folder's `_manifest.json` (written under a temporary name, fsynced, renamed): per rank, the highest "
+        "rank part number it covers and those below it that it does not (cut short, another schema version). A host "
+        "part no manifest lists is an orphan and never read; covered rank parts are deleted only `--keep` seconds "
+        "(120 by default) after the manifest that covers them was published, and never a rank's newest part. A host "
+        "part's footer key `rankwatch.rollup.covers` lists `[rank, rank part number, rows]` in row order, so a live "
+        "reader that already read some of those rank parts skips exactly their rows. Readers list rank parts first "
+        "and manifests second, so no row is read twice or missed at any instant (`collector/rollup.py`).",
+        "",
     ]
     for table, cols in COLUMNS.items():
         low = " Low priority: dropped first when the writer falls behind." if table in LOW_PRIORITY else ""

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -21,7 +23,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rankwatch.collector.rollup import rollup_all, run_agent
 from rankwatch.trainer.canary import CanaryConfig, run_rank
+
+log = logging.getLogger("rankwatch.trainer")
 
 RUN_FILE = "run.json"
 
@@ -98,10 +103,13 @@ def launch(
     term_grace_s: float = 5.0,
     timeout_s: float | None = None,
     poll_s: float = 0.1,
+    rollup_interval_s: float | None = None,
 ) -> LaunchResult:
     """Run the canary on `cfg.world_size` ranks and wait for them.
 
-    `failure_grace_s` defaults to the process-group timeout plus 5 s; `timeout_s` bounds the whole run."""
+    `failure_grace_s` defaults to the process-group timeout plus 5 s; `timeout_s` bounds the whole run. With
+    `rollup_interval_s`, a rollup agent merges each virtual host's new rank part files into host parts at that
+    interval while the job runs, and once more after it ends (`collector.rollup`)."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, attempt=_record_launch(cfg))
@@ -109,6 +117,7 @@ def launch(
     store = dist.TCPStore("127.0.0.1", 0, cfg.world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=max(30.0, cfg.pg_timeout_s)))
     start = time.monotonic()
+    agent = _RollupAgent(run_dir, rollup_interval_s) if rollup_interval_s else None
     ctx = mp.start_processes(run_rank, args=(cfg, store.port), nprocs=cfg.world_size, join=False, start_method="spawn")
     procs = ctx.processes
     pids = tuple(p.pid for p in procs)
@@ -147,6 +156,8 @@ def launch(
         for p in procs:
             p.join(1.0)
         del store
+        if agent is not None:
+            agent.close()
     return LaunchResult(
         run_dir=run_dir,
         exit_codes=tuple(p.exitcode for p in procs),
@@ -154,6 +165,35 @@ def launch(
         duration_s=time.monotonic() - start,
         terminated=tuple(terminated),
     )
+
+
+class _RollupAgent:
+    """The rollup agents of every virtual host, on one background thread of the launcher. A failed round is logged
+    and retried at the next; it never stops the job."""
+
+    def __init__(self, run_dir: Path, interval_s: float) -> None:
+        self._run_dir = run_dir
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rankwatch-rollup", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                run_agent(self._run_dir, None, interval_s=self._interval_s, stop=self._stop)
+            except Exception as exc:  # e.g. no telemetry yet; the job must not notice
+                log.debug("rankwatch rollup agent: %s", exc)
+                self._stop.wait(self._interval_s)
+
+    def close(self) -> None:
+        """Stop the loop, then roll up what the ranks wrote last."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            rollup_all(self._run_dir)
+        except Exception as exc:
+            log.warning("rankwatch rollup agent: final round failed: %s", exc)
 
 
 def _signal(pid: int | None, sig: int) -> None:

@@ -19,6 +19,8 @@ from rankwatch.cli import main
         (["--layout", "zz=2"], "expected comma-separated dp=N,tp=N,pp=N"),
         (["--hosts", "3"], "--hosts 3 must be >= 1 and divide the world size 4"),
         (["--gpu", "cuda"], "valid values are auto, nvml, replay, off"),
+        (["--rollup-every", "0"], "--rollup-every must be > 0 seconds, got 0.0"),
+        (["--rollup-every", "5", "--supervise", "1"], "--rollup-every and --supervise"),
     ],
 )
 def test_train_bad_input(argv: list[str], expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

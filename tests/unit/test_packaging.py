@@ -54,6 +54,7 @@ EXPORTS = {
         "Fingerprint", "GpuMonitor", "GpuSample", "GpuSampler", "GpuUnavailable", "GroupInfo", "MemorySink",
         "NullCollector", "NvmlSampler", "ParquetSink", "ReplaySampler", "Sink", "SinkConfig", "StepRecord", "Table",
         "fingerprint", "instrument_distributed", "open_sampler",
+        "RollupError", "RollupResult", "list_parts", "rollup_all", "run_agent",
     },
     "rankwatch.analytics": {
         "Action", "CheckpointCatalogView", "CheckpointRef", "Decision", "GateResult", "GateVerdict", "Idempotency",
