@@ -320,13 +320,17 @@ def end_wall_ns(con: duckdb.DuckDBPyConnection) -> int:
 
 def heartbeat_interval_ns(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> int:
     """The collector's heartbeat period, from the median gap between a rank's heartbeats (from `since_step` on:
-    heartbeats carry the step in progress); 1 s if unknown."""
+    heartbeats carry the step in progress; all of them when the window holds no two of one rank); 1 s if unknown."""
     if Table.EVENTS not in _tables(con):
         return 1_000_000_000
-    gap = con.execute(f"""
-        SELECT median(d) FROM (
-            SELECT wall_ns - lag(wall_ns) OVER (PARTITION BY rank, attempt ORDER BY wall_ns) AS d
-            FROM events WHERE kind = '{EventKind.HEARTBEAT}' {_since(since_step)}) WHERE d > 0""").fetchall()[0][0]
+    gap = None
+    for since in dict.fromkeys((since_step, None)):
+        gap = con.execute(f"""
+            SELECT median(d) FROM (
+                SELECT wall_ns - lag(wall_ns) OVER (PARTITION BY rank, attempt ORDER BY wall_ns) AS d
+                FROM events WHERE kind = '{EventKind.HEARTBEAT}' {_since(since)}) WHERE d > 0""").fetchall()[0][0]
+        if gap:
+            break
     return int(gap) if gap else 1_000_000_000
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
@@ -260,3 +261,16 @@ def test_open_run_errors(tmp_path: Path, tiny: Path) -> None:
     pq.write_table(table.replace_schema_metadata({b"rankwatch.schema_version": b"99"}), victim)
     with pytest.raises(SchemaVersionError, match="schema version 99"):
         open_run(run)
+
+
+def test_heartbeat_period_comes_from_the_window_or_else_from_the_whole_run() -> None:
+    con = duckdb.connect()
+    con.execute("CREATE TABLE events (rank BIGINT, attempt BIGINT, step BIGINT, kind VARCHAR, wall_ns BIGINT)")
+    s = 1_000_000_000
+    rows = [(r, 0, step, "heartbeat", step * 5 * s + r) for r in range(4) for step in range(10)]  # every 5 s
+    con.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?)", rows)
+    assert q.heartbeat_interval_ns(con) == 5 * s
+    assert q.heartbeat_interval_ns(con, since_step=5) == 5 * s
+    assert q.heartbeat_interval_ns(con, since_step=9) == 5 * s  # one heartbeat per rank in the window: the run's
+    con.execute("DELETE FROM events")
+    assert q.heartbeat_interval_ns(con, since_step=9) == s  # none at all: the default
