@@ -27,6 +27,7 @@ from rankwatch.analytics.errors import RunDirError
 from rankwatch.analytics.queries import load_frames
 from rankwatch.analytics.store import (
     ANALYZED_TABLES,
+    RELIST_TRIES,
     analyzed_columns,
     parquet_source,
     part_footers,
@@ -36,7 +37,6 @@ from rankwatch.analytics.store import (
 from rankwatch.collector.rollup import COVERS_KEY, PartListing, part_number, rank_of_part, read_covers
 from rankwatch.collector.schema import EventKind, Table
 
-_RELIST_TRIES = 5
 _REFRESH_THREADS = 3
 """Tables read at once by `LiveAnalyzer.refresh`."""
 
@@ -111,14 +111,14 @@ class LiveAnalyzer:
     def _refresh_table(self, table: Table) -> int:
         con = self.con.cursor()  # one per table: statements on different cursors run concurrently
         try:
-            for attempt in range(_RELIST_TRIES):
+            for attempt in range(RELIST_TRIES):
                 listing = table_parts(self.run_dir, table, rank_parts=self.config.rank_parts,
                                       fresh_s=self.config.rollup_fresh_s)
                 try:
                     return self._ingest(con, table, listing)
                 except _Vanished:
                     # a listed rank part was deleted after a rollup covering it was published: list again
-                    if attempt == _RELIST_TRIES - 1:
+                    if attempt == RELIST_TRIES - 1:
                         raise RunDirError(f"{self.run_dir}: {table} part files keep vanishing while being read "
                                           "(a rollup agent deleting faster than a refresh lists?)") from None
             return 0

@@ -99,7 +99,8 @@ class RunStore:
     """Tables with at least one readable part."""
 
 
-_RELIST_TRIES = 5
+RELIST_TRIES = 5
+"""How many times a reader lists a table again when a listed rank part was deleted by a rollup meanwhile."""
 
 ANALYZED_TABLES: frozenset[Table] = frozenset(Table) - {Table.PHASES}
 """Tables the detectors read (phases are for people, not for detection)."""
@@ -112,7 +113,7 @@ def open_run(run_dir: Path | str, *, tables: Collection[Table] = ANALYZED_TABLES
     then reads what many queries share into memory once."""
     tel = telemetry_dir(run_dir)
     con = duckdb.connect()
-    for _ in range(_RELIST_TRIES):
+    for _ in range(RELIST_TRIES):
         by_table = {table: part_files(run_dir, table) for table in Table if table in tables}
         every = [f for files in by_table.values() for f in files]
         if not every:

@@ -59,40 +59,13 @@ print(json.dumps({"wall_s": wall, "import_s": t_import, "peak_bytes": peak, "inc
 
 
 _LIVE = """
-import json, os, shutil, sys, time
-from pathlib import Path
-from rankwatch.analytics.live import LiveAnalyzer, LiveConfig
-run, staging = Path(sys.argv[1]), Path(sys.argv[2])
-live = LiveAnalyzer(run, LiveConfig(window_steps=20, keep_steps=1000))
-t0 = time.perf_counter(); first = live.refresh(); cold = time.perf_counter() - t0
-live.analyze()  # the monitor's previous tick: it analyzes after every refresh
-moved = []
-for f in staging.rglob("*.parquet"):
-    target = run / f.relative_to(staging)
-    shutil.move(f, target)
-    moved.append((target, f))
-t0, c0 = time.perf_counter(), time.process_time()
-new = live.refresh()
-t_refresh = time.perf_counter() - t0
-a = live.analyze()
-wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-for target, f in moved:  # back to staging, so the benchmark can run again
-    shutil.move(target, f)
-peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"wall_s": wall, "import_s": 0.0, "peak_bytes": peak, "incidents": len(a.incidents),
-                  "classes": sorted({str(i.klass) for i in a.incidents}),
-                  "stages": [("refresh", t_refresh), *a.seconds], "cold_refresh_s": cold, "parts": [first, new],
-                  "window": [a.first_step, a.last_step], "cpu_s": cpu, "load": os.getloadavg()[0]}))
-"""
-
-
-_LIVE_ROLLUP = """
 import json, os, shutil, statistics, sys, time
 from pathlib import Path
 from rankwatch.analytics.live import LiveAnalyzer, LiveConfig
 from rankwatch.collector.rollup import host_ranks, rollup
-run, staging, rank_parts = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "rank-parts"
-live = LiveAnalyzer(run, LiveConfig(window_steps=20, keep_steps=1000, rank_parts=rank_parts))
+run, staging, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+rolled = mode != "rank-layout"  # else "rank-parts" (the LiveConfig default) or "hosts-only", each with host rollups
+live = LiveAnalyzer(run, LiveConfig(window_steps=20, keep_steps=1000, rank_parts=mode != "hosts-only"))
 t0 = time.perf_counter(); first = live.refresh(); cold = time.perf_counter() - t0
 live.analyze()  # the monitor's previous tick: it analyzes after every refresh
 manifests = {m: m.read_bytes() for m in run.glob("telemetry/*/_rollup/*/_manifest.json")}
@@ -103,7 +76,7 @@ for f in staging.rglob("*.parquet"):
     moved.append((target, f))
 try:
     per_host, tail_parts, host_parts = [], 0, 0
-    for host, ranks in host_ranks(run).items():  # each host's agent, one after the other here
+    for host, ranks in (host_ranks(run).items() if rolled else ()):  # each host's agent, one after the other here
         r = rollup(run, host, ranks=ranks, delete=False)
         per_host.append(r.seconds)
         tail_parts += r.rank_parts
@@ -114,19 +87,22 @@ try:
     a = live.analyze()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
 finally:
-    for target, f in moved:  # back to staging, and the manifests as they were: the tail's host parts are orphans
+    # back to staging, so the benchmark can run again, and the manifests as they were (the tail's host parts
+    # are orphans then)
+    for target, f in moved:
         shutil.move(target, f)
     for m, text in manifests.items():
         m.write_bytes(text)
 peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-q = statistics.quantiles(per_host, n=10)
-print(json.dumps({"wall_s": wall, "import_s": 0.0, "peak_bytes": peak, "incidents": len(a.incidents),
-                  "classes": sorted({str(i.klass) for i in a.incidents}),
-                  "stages": [("refresh", t_refresh), *a.seconds], "cold_refresh_s": cold, "parts": [first, new],
-                  "window": [a.first_step, a.last_step], "hosts": len(per_host),
-                  "host_rollup_s": [statistics.median(per_host), q[-1], max(per_host)],
-                  "tail_rank_parts": tail_parts, "tail_host_parts": host_parts, "cpu_s": cpu,
-                  "load": os.getloadavg()[0]}))
+out = {"wall_s": wall, "import_s": 0.0, "peak_bytes": peak, "incidents": len(a.incidents),
+       "classes": sorted({str(i.klass) for i in a.incidents}),
+       "stages": [("refresh", t_refresh), *a.seconds], "cold_refresh_s": cold, "parts": [first, new],
+       "window": [a.first_step, a.last_step], "cpu_s": cpu, "load": os.getloadavg()[0]}
+if rolled:
+    q = statistics.quantiles(per_host, n=10)
+    out.update({"hosts": len(per_host), "host_rollup_s": [statistics.median(per_host), q[-1], max(per_host)],
+                "tail_rank_parts": tail_parts, "tail_host_parts": host_parts})
+print(json.dumps(out))
 """
 
 
@@ -152,8 +128,8 @@ def _with_host_rollups(run: Path, staging: Path) -> tuple[dict[str, object], dic
         print(f"host rollups of steps 0..S-21: {sum(r.rank_parts for r in results.values())} rank parts -> "
               f"{sum(r.host_parts for r in results.values())} host parts on {len(results)} hosts in {base_s:.0f}s "
               f"(one after the other; {base_s / len(results):.2f}s per host)")
-        ticks = (_child(_LIVE_ROLLUP, str(run), str(staging), "rank-parts"),
-                 _child(_LIVE_ROLLUP, str(run), str(staging), "hosts-only"))
+        ticks = (_child(_LIVE, str(run), str(staging), "rank-parts"),
+                 _child(_LIVE, str(run), str(staging), "hosts-only"))
     finally:
         for folder in (run / TELEMETRY_DIR).glob(f"*/{ROLLUP_DIR}"):
             shutil.rmtree(folder)
@@ -197,7 +173,7 @@ def main() -> int:
         t0 = time.perf_counter()
         tails = split_tail(run, args.steps - 20, staging)
         print(f"split the last 20 steps into {tails} new part files in {time.perf_counter() - t0:.0f}s")
-    live = _child(_LIVE, str(run), str(staging))
+    live = _child(_LIVE, str(run), str(staging), "rank-layout")
     print(f"live monitor, rank layout: cold refresh {float(live['cold_refresh_s']):.1f}s over {live['parts'][0]} parts; "  # type: ignore[arg-type, index]
           f"the tick reads {live['parts'][1]} new parts, window steps {live['window']}")  # type: ignore[index]
     rolled, hosts_only = _with_host_rollups(run, staging)

@@ -334,8 +334,6 @@ class CollectiveTracker:
         """Leave `o` (entered by `enter`), with the error it failed with, if any. Never raises."""
         o.__exit__(None if error is None else type(error), error, None)
 
-    _safe_exit = exit
-
     def _finish(
         self, o: _Open, prefix: Row, exit_wall: int, exit_mono: int, duration: int, error: BaseException | None
     ) -> None:

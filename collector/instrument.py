@@ -55,24 +55,24 @@ def _wrap(tracker: CollectiveTracker, fn: Callable[..., Any], op: str, tensor_ar
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
-            tracker._safe_exit(o, exc)
+            tracker.exit(o, exc)
             raise
         if not async_op or result is None:
-            tracker._safe_exit(o)
+            tracker.exit(o)
             return result
         try:
             future = result.get_future()
         except Exception:  # a work object without a future (some backends): leave at the call
-            tracker._safe_exit(o)
+            tracker.exit(o)
             return result
 
         def done(f: torch.futures.Future[Any]) -> None:
             try:
                 f.value()
             except BaseException as exc:
-                tracker._safe_exit(o, exc)
+                tracker.exit(o, exc)
                 return
-            tracker._safe_exit(o)
+            tracker.exit(o)
 
         future.add_done_callback(done)
         return result

@@ -58,6 +58,7 @@ from rankwatch.collector.schema import (
     Topology,
     storage_schema,
 )
+from rankwatch.collector.sink import fsync_path
 
 ROLLUP_DIR = "_rollup"
 MANIFEST = "_manifest.json"
@@ -541,7 +542,7 @@ def _write_host_part(directory: Path, old: HostManifest, table: Table, chunks: l
     try:
         pq.write_table(data, tmp, compression=compression)
         if fsync:
-            _fsync(tmp)
+            fsync_path(tmp)
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -584,7 +585,7 @@ def _publish(directory: Path, manifest: HostManifest, *, fsync: bool) -> None:
         tmp.unlink(missing_ok=True)
         raise
     if fsync:
-        _fsync(directory)
+        fsync_path(directory)
 
 
 def _delete_covered(parts: Mapping[int, list[tuple[int, Path]]], manifest: HostManifest, *, now: float,
@@ -608,14 +609,6 @@ def _delete_covered(parts: Mapping[int, list[tuple[int, Path]]], manifest: HostM
                 except FileNotFoundError:
                     pass
     return deleted
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- the agent loop --------------------------------------------------------------------------------------------------

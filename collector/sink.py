@@ -155,6 +155,15 @@ def rows_to_table(table: Table, rows: list[Row]) -> pa.Table:
     )
 
 
+def fsync_path(path: Path | str) -> None:
+    """fsync a file or a folder by path (a folder: so a rename inside it survives a host crash)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def partition_dir(run_dir: Path, table: Table, rank: int) -> Path:
     return Path(run_dir) / TELEMETRY_DIR / str(table) / f"{PARTITION_KEY}={rank}"
 
@@ -329,11 +338,7 @@ class ParquetSink(Sink):
         try:
             pq.write_table(data, tmp, compression=self._config.compression)
             if self._config.fsync:
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_path(tmp)
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)

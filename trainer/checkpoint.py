@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import rankwatch
 from rankwatch.collector.schema import CheckpointPhase, EventKind
+from rankwatch.collector.sink import fsync_path
 from rankwatch.trainer.catalog import (
     CHECKPOINT_DIR,
     DCP_DIR,
@@ -218,14 +219,6 @@ def current_versions(config: object) -> Versions:
 
 
 # -- file helpers -----------------------------------------------------------------------------------------
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_durably(path: Path, data: bytes, *, mid: Any = None) -> None:
     """Write `data` to ``path.tmp``, fsync, rename to `path`; `mid()` runs halfway through (fault injection)."""
     tmp = path.with_name(path.name + ".tmp")
@@ -367,7 +360,7 @@ def save_checkpoint(
         fire(SavePoint.FSYNC, tmp)
         with collector.checkpoint_phase(step, ckpt, CheckpointPhase.FSYNC) as rec:
             for p in mine:
-                _fsync(p)
+                fsync_path(p)
                 files.append(ShardFile(path=p.relative_to(tmp).as_posix(), size=p.stat().st_size,
                                        sha256=sha256_file(p), rank=rank))
             rec.bytes = sum(f.size for f in files)
@@ -423,14 +416,14 @@ def _publish(
             data = manifest.to_json().encode()
             rec.bytes = len(data)
             _write_durably(tmp / MANIFEST, data, mid=lambda: fire(SavePoint.MANIFEST, tmp / MANIFEST))
-            _fsync(tmp)
+            fsync_path(tmp)
             fire(SavePoint.RENAME)
             os.rename(tmp, final)
     except Exception as exc:  # ValueError included: a manifest that does not validate is not published
         return False, f"rank 0 publish: {_first_line(exc)}"
     fire(SavePoint.PUBLISHED)
     try:
-        _fsync(final.parent)
+        fsync_path(final.parent)
     except OSError as exc:  # the rename happened: committed, but its durability across a power cut is unknown
         collector.event(EventKind.WARNING, exc_type=type(exc).__name__,
                         message=f"checkpoint {ckpt}: fsync of {final.parent} failed after commit: {_first_line(exc)}")

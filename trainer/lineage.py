@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rankwatch.collector.schema import ChangeReason, Comparability, LineageKind
+from rankwatch.collector.sink import fsync_path
 from rankwatch.trainer.parallel import Layout
 
 LINEAGE_FILE = "lineage.jsonl"
@@ -216,7 +217,7 @@ class Lineage:
         finally:
             os.close(fd)
         if created:
-            _fsync_dir(self.path.parent)
+            fsync_path(self.path.parent)
         return entry
 
     def _last(self, fd: int) -> Entry | None:
@@ -238,14 +239,6 @@ class Lineage:
         if _digest(entry.body()) != entry.hash:
             raise ValueError(f"{self.path}: last entry seq {entry.seq} fails its hash; verify before appending")
         return entry
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read(path: Path) -> tuple[Entry, ...]:
