@@ -192,7 +192,7 @@ class LiveAnalyzer:
         return set(good)
 
     def _insert_sql(self, con: duckdb.DuckDBPyConnection, table: Table, files: list[Path], where: str) -> None:
-        # the columns analysis reads (what a one-shot analysis keeps in memory too)
+        # only the columns the detectors read (`store.analyzed_columns`)
         columns = analyzed_columns(table)
         if where:
             source = (f"(SELECT {columns} FROM (SELECT * EXCLUDE (file_row_number) "
