@@ -103,6 +103,8 @@ class RepeatResult:
     bytes_by_table: dict[str, int]
     collectives_per_rank_step: float
     phases_per_rank_step: float
+    writer_cpu_us_per_rank_step: float
+    """The part-file writer thread's CPU per rank-step over the whole ON run (each rank's exit event says it)."""
     steps_rows: int
     dropped_rows: int
     on_thread_cpu_ms: float
@@ -138,6 +140,9 @@ class Report:
     nproc: int
     layout: str
     hosts: int
+    settings: str
+    """What differs from the defaults (canary global batch, ON arm's fingerprint interval and gradient norm), or
+    'default settings': only that verdict is the benchmark's."""
     steps: int
     warmup: int
     repeats: int
@@ -290,6 +295,9 @@ def _config(args: argparse.Namespace, root: Path, repeat: int, arm: str) -> Any:
         gpu="replay",  # only read when the collector is on
         collector=arm == ON,
         record_step_times=True,
+        global_batch=args.global_batch,
+        fingerprint_every=args.fingerprint_every,
+        grad_norm=not args.no_grad_norm,
     )
 
 
@@ -358,10 +366,11 @@ def _self_timed_ms(run_dir: Path, *, warmup: int, steps: int) -> float | None:
     return None if rows[0][0] is None else float(rows[0][0]) / 1e6
 
 
-def _telemetry(run_dir: Path, *, ranks: int, steps: int) -> tuple[int, dict[str, int], float, int, int, float]:
-    """(total bytes, bytes per table, collectives per rank-step, steps rows, dropped rows, phases per rank-step)
-    of one ON run."""
+def _telemetry(run_dir: Path, *, ranks: int, steps: int) -> tuple[int, dict[str, int], float, int, int, float, float]:
+    """(total bytes, bytes per table, collectives per rank-step, steps rows, dropped rows, phases per rank-step,
+    part-file writer CPU µs per rank-step (from each rank's exit event)) of one ON run."""
     from rankwatch.analytics.store import connect, table_summaries
+    from rankwatch.collector.collector import WRITER_CPU_PREFIX
     from rankwatch.collector.schema import Events, EventKind, Table
 
     summaries = table_summaries(run_dir)
@@ -372,6 +381,12 @@ def _telemetry(run_dir: Path, *, ranks: int, steps: int) -> tuple[int, dict[str,
         f"SELECT coalesce(max({Events.DROPPED_ROWS}), 0) FROM {Table.EVENTS} WHERE {Events.KIND} = ?",
         [str(EventKind.DROPS)],
     ).fetchone()
+    exits = con.execute(
+        f"SELECT {Events.MESSAGE} FROM {Table.EVENTS} WHERE {Events.KIND} = ? AND {Events.MESSAGE} LIKE ?",
+        [str(EventKind.EXIT), WRITER_CPU_PREFIX + "%"],
+    ).fetchall()
+    writer_ms = [float(m.removeprefix(WRITER_CPU_PREFIX).removesuffix(" ms")) for (m,) in exits]
+    writer_us = statistics.mean(writer_ms) * 1e3 / steps if writer_ms else math.nan
     return (
         sum(by_table.values()),
         by_table,
@@ -379,6 +394,7 @@ def _telemetry(run_dir: Path, *, ranks: int, steps: int) -> tuple[int, dict[str,
         rows[Table.STEPS],
         int(dropped[0]) if dropped else 0,
         rows[Table.PHASES] / (ranks * steps),
+        writer_us,
     )
 
 
@@ -401,7 +417,7 @@ def _run_repeats(args: argparse.Namespace, root: Path) -> tuple[list[LaunchTimin
                                  f"(need {MIN_WINDOW_STEPS}; more --steps?)")
         on, off = arms[ON], arms[OFF]
         on_run = root / f"r{r}-on"
-        total, by_table, coll, steps_rows, dropped, phases = _telemetry(on_run, ranks=ranks, steps=args.steps)
+        total, by_table, coll, steps_rows, dropped, phases, writer_us = _telemetry(on_run, ranks=ranks, steps=args.steps)
         if steps_rows != ranks * args.steps:
             print(f"  warning: {on_run}: {steps_rows} step rows, expected {ranks * args.steps}", file=sys.stderr)
         result = RepeatResult(
@@ -421,6 +437,7 @@ def _run_repeats(args: argparse.Namespace, root: Path) -> tuple[list[LaunchTimin
             bytes_by_table=by_table,
             collectives_per_rank_step=coll,
             phases_per_rank_step=phases,
+            writer_cpu_us_per_rank_step=writer_us,
             steps_rows=steps_rows,
             dropped_rows=dropped,
             on_thread_cpu_ms=on.thread_cpu_ms,
@@ -609,6 +626,19 @@ def _synthetic_step_us_run(*, collectives: int, phases: int, steps: int, layout:
 # ----------------------------------------------------------------------------------------- reporting
 
 
+def _settings(args: argparse.Namespace) -> str:
+    """What this run changed from the default settings, for the report."""
+    changed = [
+        f"{name} {value}" for name, value, default in (
+            ("global batch", args.global_batch, args.defaults.global_batch),
+            ("fingerprint every", args.fingerprint_every, args.defaults.fingerprint_every),
+        ) if value != default
+    ]
+    if args.no_grad_norm:
+        changed.append("no gradient norm")
+    return "changed: " + ", ".join(changed) if changed else "default settings"
+
+
 def _verdict(overhead: Interval, bottom_up_pct: float) -> str:
     """Judged on the end-to-end figure alone: the warm bottom-up figure is shown for scale but understates the
     cost inside a busy job several times over (see benchmarks/collector_insitu.py).
@@ -631,7 +661,8 @@ def _fmt(i: Interval, unit: str = "%") -> str:
 def _print_report(rep: Report) -> None:
     print()
     print(f"rankwatch collector overhead — {rep.nproc} ranks ({rep.layout}), {rep.hosts} host, {rep.steps} steps "
-          f"(first {rep.warmup} excluded), {rep.repeats} repeat(s); ON = collector + gpu={rep.gpu_on}, OFF = no-op")
+          f"(first {rep.warmup} excluded), {rep.repeats} repeat(s); ON = collector + gpu={rep.gpu_on}, OFF = no-op; "
+          f"{rep.settings}")
     print(f"machine load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in rep.load_before)} at the start, "
           f"{'/'.join(f'{x:.2f}' for x in rep.load_after)} at the end")
     print()
@@ -660,6 +691,9 @@ def _print_report(rep: Report) -> None:
               f"{r.on_process_cpu_ms:>12.2f}{r.off_process_cpu_ms:>8.2f}{p_pct:>+7.2f}%")
     print(f"  training-thread CPU overhead {_fmt(rep.thread_cpu_overhead)}; {rep.thread_cpu_extra_ms:.3f} ms a step")
     print(f"  process CPU overhead {_fmt(rep.process_cpu_overhead)}")
+    writer = statistics.median(r.writer_cpu_us_per_rank_step for r in rep.per_repeat)
+    print(f"  of which the part-file writer thread: {writer:.0f} µs a step (whole run, median over repeats; "
+          "it builds the rows of steps, phases and collectives and writes the parquet parts)")
     print()
     m = rep.micro
     coll = statistics.median(r.collectives_per_rank_step for r in rep.per_repeat)
@@ -687,16 +721,32 @@ def _print_report(rep: Report) -> None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
+    import dataclasses
+
+    from rankwatch.trainer.canary import CanaryConfig
+
+    CANARY_DEFAULTS = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(CanaryConfig)})
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--steps", type=int, default=300, help="steps per launch (default 300)")
     p.add_argument("--warmup", type=int, default=30, help="first steps excluded (default 30)")
     p.add_argument("--repeats", type=int, default=10, help="ON/OFF pairs, each run together (default 10)")
     p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--layout", default="dp=2,tp=2,pp=1", help="dp=N,tp=N,pp=N (default dp=2,tp=2,pp=1)")
+    p.add_argument("--global-batch", type=int, default=CANARY_DEFAULTS.global_batch,
+                   help=f"canary global batch, both arms (default {CANARY_DEFAULTS.global_batch}, the canary's): "
+                        "more work per step, the same collector events")
+    p.add_argument("--fingerprint-every", type=int, default=CANARY_DEFAULTS.fingerprint_every,
+                   help=f"ON arm's fingerprint interval (default {CANARY_DEFAULTS.fingerprint_every}, the collector's; "
+                        "0 = none: for a cost breakdown)")
+    p.add_argument("--no-grad-norm", action="store_true",
+                   help="ON arm skips the pre-all-reduce gradient norm (for a cost breakdown only)")
     p.add_argument("--micro-n", type=int, default=20_000, help="collectives per micro-benchmark batch")
     p.add_argument("--micro-batches", type=int, default=7, help="micro-benchmark batches (median)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
+    args.defaults = CANARY_DEFAULTS
+    if args.global_batch < 1 or args.fingerprint_every < 0:
+        p.error("--global-batch must be >= 1 and --fingerprint-every >= 0")
     if not 1 <= args.warmup < args.steps:
         p.error(f"need 1 <= --warmup < --steps, got --warmup {args.warmup} --steps {args.steps}")
     if args.repeats < 1 or args.micro_n < 1 or args.micro_batches < 1:
@@ -714,7 +764,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     load_before = _load()
     print(f"collector_overhead: {args.repeats} repeat(s) × 2 launches (ON, OFF) of {args.steps} steps, "
-          f"{args.nproc} ranks {args.layout}; load average {load_before[0]:.2f}", flush=True)
+          f"{args.nproc} ranks {args.layout}, global batch {args.global_batch}; ON: fingerprints every "
+          f"{args.fingerprint_every} steps, gradient norm {'off' if args.no_grad_norm else 'on'}; "
+          f"load average {load_before[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="rankwatch-bench-") as tmp:
         timings, results = _run_repeats(args, Path(tmp))
     print("  micro-benchmark ...", flush=True)
@@ -734,10 +786,12 @@ def main(argv: list[str] | None = None) -> int:
     step_ms = statistics.median(selfs) if selfs else off
     overhead = t_interval(overheads)
     bottom_up_pct = (step_on_us - step_off_us) / (off * 1e3) * 100
+    settings = _settings(args)
     report = Report(
         nproc=args.nproc,
         layout=args.layout,
         hosts=1,
+        settings=settings,
         steps=args.steps,
         warmup=args.warmup,
         repeats=args.repeats,
@@ -771,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
         bottom_up_pct=bottom_up_pct,
         bottom_up_pct_of_thread_cpu=(step_on_us - step_off_us)
         / (statistics.median(r.off_thread_cpu_ms for r in results) * 1e3) * 100,
-        verdict=_verdict(overhead, bottom_up_pct),
+        verdict=_verdict(overhead, bottom_up_pct) if settings == "default settings"
+        else f"(not the benchmark's verdict: {settings}) {_verdict(overhead, bottom_up_pct)}",
     )
     _print_report(report)
     if args.json is not None:

@@ -1,10 +1,12 @@
 """Per-collective timing: explicit torch.distributed calls, DDP gradient buckets, and what is still in flight.
 
-Each operation is entered (clocks read, registered as open) before the call and exited after it. An operation
-that never exits — the rank died, hung or was killed inside it — stays in the open set; the sink's writer
-snapshots open operations older than a threshold as ``in_flight`` rows at every flush, so a post-mortem sees
-where every rank was stuck. On CUDA, device time comes from CUDA events resolved after the fact by polling
-``Event.query()``; nothing here synchronizes the device.
+Each operation is entered before the call and exited after it; the hot path only stamps a small record (one
+monotonic clock read at each end) and appends it to the step in progress. Rows are built later, on the sink's
+writer thread (`CollectiveTracker.drain`), with wall-clock times derived from the step's wall − monotonic offset.
+An operation that never exits — the rank died, hung or was killed inside it — stays open; the writer snapshots
+open operations older than a threshold as ``in_flight`` rows at every flush, and writes the exited operations of
+a step still running, so a post-mortem sees where every rank was stuck. On CUDA, device time comes from CUDA
+events resolved after the fact by polling ``Event.query()``; nothing here synchronizes the device.
 """
 
 from __future__ import annotations
@@ -45,34 +47,74 @@ class GroupInfo:
         return tuple(sorted(p for p in pairs if p.split("<->")[0] != p.split("<->")[1]))
 
 
-class StepCounters:
-    """What the collective tracker adds to the step in progress (owned by the collector's step)."""
+class StepRecord:
+    """The step in progress: what the training loop sets (`loss`, `local_grad_norm`, `data_position`) and what the
+    collector gathers during the step (its collectives, phases and bucket norms). The collector hands the whole
+    record to its writer thread at step end; rows are built there, off the training thread.
+
+    A plain slots class (built once per step)."""
 
     __slots__ = (
-        "step", "seq", "blocked_ns", "blocked", "async_last_enter_mono", "async_last_exit_mono", "grad_sq", "grad_sq_dev",
+        "step", "start_wall_ns", "start_mono_ns", "end_mono_ns", "loss", "local_grad_norm", "data_position",
+        "dataloader_wait_ns", "checkpoint_ns", "seq", "ops", "phases", "grad_sq", "failed", "written",
     )
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, start_wall_ns: int = 0, start_mono_ns: int = 0) -> None:
         self.step = step
+        self.start_wall_ns = start_wall_ns
+        self.start_mono_ns = start_mono_ns
+        self.end_mono_ns: int | None = None
+        self.loss: float | torch.Tensor | None = None
+        self.local_grad_norm: float | None = None
+        self.data_position: int | None = None
+        self.dataloader_wait_ns = 0
+        self.checkpoint_ns = 0
         self.seq = 0
-        self.blocked_ns = 0
-        self.blocked: list[tuple[int, int]] = []  # (enter, exit) monotonic ns of blocking collectives
-        self.async_last_enter_mono = 0
-        self.async_last_exit_mono = 0
-        self.grad_sq = 0.0
-        self.grad_sq_dev: torch.Tensor | None = None
+        """Collectives issued so far in the step (the next one's `seq`)."""
+        self.ops: list[_Open] = []
+        """The step's collectives, in issue order (appended at entry)."""
+        self.phases: list[Any] | None = []
+        """The step's finished phases (None once dropped because the writer fell behind)."""
+        self.grad_sq: list[tuple[torch.Tensor, float]] = []
+        """Each DDP bucket's local squared norm as (0-d tensor, factor): no device sync and no extra operation on
+        the hot path; the writer multiplies."""
+        self.failed = False
+        """The step raised: its collectives and phases are written, not a step row."""
+        self.written = 0
+        """How many of `ops` the writer already wrote while the step was still running (it writes them in order,
+        up to the first that has not exited)."""
 
-    def async_exposed_ns(self) -> int:
-        """Exposed tail of asynchronous collectives (DDP buckets): from the last one issued to the last one done,
-        less the time the training thread spent blocked in other collectives meanwhile (counted already)."""
-        lo, hi = self.async_last_enter_mono, self.async_last_exit_mono
-        if hi <= lo:
-            return 0
-        overlap = 0
-        for a, b in self.blocked:
-            if b > lo and a < hi:
-                overlap += (b if b < hi else hi) - (a if a > lo else lo)
-        return max(0, hi - lo - overlap)
+    @property
+    def wall_offset_ns(self) -> int:
+        """wall - monotonic clock at step start: the wall-clock times of the step's rows are derived with it."""
+        return self.start_wall_ns - self.start_mono_ns
+
+    def waits(self) -> tuple[int, int]:
+        """(ns blocked in collectives, of which asynchronous exposed tail), from the step's exited collectives.
+
+        Blocking collectives count whole. Asynchronous ones (DDP buckets) count from the last one issued to the
+        last one done, less the time the training thread spent blocked in other collectives meanwhile."""
+        blocked = 0
+        lo = hi = 0
+        spans: list[tuple[int, int]] = []
+        for o in self.ops:
+            end = o.exit_mono
+            if end is None:
+                continue
+            if o.async_op:
+                lo = o.enter_mono if o.enter_mono > lo else lo
+                hi = end if end > hi else hi
+            else:
+                blocked += end - o.enter_mono
+                spans.append((o.enter_mono, end))
+        exposed = 0
+        if hi > lo:
+            overlap = 0
+            for a, b in spans:
+                if b > lo and a < hi:
+                    overlap += (b if b < hi else hi) - (a if a > lo else lo)
+            exposed = max(0, hi - lo - overlap)
+        return blocked + exposed, exposed
 
 
 class _Group:
@@ -91,143 +133,111 @@ class _Group:
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _OK, _ERROR, _IN_FLIGHT = str(CollectiveStatus.OK), str(CollectiveStatus.ERROR), str(CollectiveStatus.IN_FLIGHT)
-_DEVICE_IDX = column_names(Table.COLLECTIVES).index(Collectives.DEVICE_DURATION_NS)
 _mono, _wall, _Tensor = time.monotonic_ns, time.time_ns, torch.Tensor
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    if dtype is None:
+        return ""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
     return name
 
 
-def _payload(tensor: torch.Tensor | list[torch.Tensor] | None) -> tuple[int, str]:
+def _payload(tensor: torch.Tensor | list[torch.Tensor] | None) -> tuple[int, torch.dtype | None]:
     if tensor is None:
-        return 0, ""
+        return 0, None
     if isinstance(tensor, torch.Tensor):
-        return tensor.nbytes, _dtype_name(tensor.dtype)
+        return tensor.nbytes, tensor.dtype
     nbytes = sum(t.numel() * t.element_size() for t in tensor)
-    return nbytes, (_dtype_name(tensor[0].dtype) if tensor else "")
+    return nbytes, (tensor[0].dtype if tensor else None)
 
 
 class _Open:
-    """One collective: the context manager `Collector.collective` returns, and the record of an operation this
-    rank entered and has not (yet) left. A plain slots class, built per collective: on the hot path its
-    `__enter__` and `__exit__` do all the work themselves (no calls into the tracker, no separate record).
+    """One collective: the context manager `Collector.collective` returns, and its record. A plain slots class,
+    built per collective.
 
-    Entering reads the clocks, numbers the operation, and registers it in the tracker's open set, where the
-    writer thread sees it (`CollectiveTracker.in_flight_rows`) until it exits. The row's first columns, fixed
-    at entry, are kept as one tuple (`_prefix`); exiting appends prefix + exit columns. Neither raises into
-    the caller: an internal error is counted, and an operation whose entry failed records nothing."""
+    The hot path only stamps it: entering numbers it, appends it to the step in progress (`StepRecord.ops`) and
+    reads the monotonic clock; exiting reads the clock again. Rows are built from it later on the writer thread
+    (`CollectiveTracker.rows`), wall-clock times derived from the step's wall - monotonic offset. Until it
+    exits, the writer sees it as in flight. Outside a step it is kept in the tracker's open set instead and
+    written when it exits. Neither entering nor exiting raises into the caller: an internal error is counted,
+    and an operation whose entry failed records nothing."""
 
     __slots__ = (
-        "_tracker", "op", "_group_obj", "_tensor", "peer", "async_op", "group", "enter_mono", "_counters",
-        "_prefix", "cuda_start", "cuda_end",
+        "_tracker", "op", "_group_obj", "nbytes", "dtype", "peer", "async_op", "group", "group_seq", "seq",
+        "record", "enter_mono", "exit_mono", "wall_offset", "cuda_start", "cuda_end", "_cuda_tensor",
+        "written",
     )
     # set when built (`_make`, or inline in `Collector.collective`)
     _tracker: CollectiveTracker
     op: str
     _group_obj: Any
-    _tensor: Any
+    nbytes: int
+    dtype: torch.dtype | None
     peer: int | None
     async_op: bool
+    _cuda_tensor: bool
     # set when entered
-    _prefix: Row | None
-    """Columns rank .. enter_mono of the row; None if entering failed."""
     group: GroupInfo
+    group_seq: int
+    seq: int
+    record: StepRecord | None
+    """The step it was issued in (None outside a step)."""
     enter_mono: int
-    _counters: StepCounters | None
+    exit_mono: int | None
+    """None until it exits."""
+    # set on the uncommon paths
+    wall_offset: int
+    """wall - monotonic clock at entry, for operations outside a step."""
     cuda_start: Any
-    """CUDA event recorded at entry (CUDA tensors only), else None."""
+    """CUDA event recorded at entry (blocking operations on CUDA tensors), else None."""
     cuda_end: Any
-    """CUDA event recorded at exit, when there is a `cuda_start`."""
+    written: bool
 
     def __enter__(self) -> GroupInfo | None:
-        enter_mono, enter_wall = _mono(), _wall()
         t = self._tracker
         try:
             g = t._fast.get(id(self._group_obj)) or t._group_state(self._group_obj)
-            gseq = g.next_seq()
-            counters = t.counters
-            self._counters = counters
-            if counters is not None:
-                seq = counters.seq
-                counters.seq = seq + 1
-                step = counters.step
-                if self.async_op:
-                    counters.async_last_enter_mono = enter_mono
+            self.group = info = g.info
+            self.group_seq = g.next_seq()
+            self.exit_mono = None
+            record = self.record = t.current
+            if record is not None:
+                self.seq = seq = record.seq
+                record.seq = seq + 1
+                record.ops.append(self)
             else:
-                seq = step = -1
-            tensor = self._tensor
-            if isinstance(tensor, _Tensor):
-                nbytes, dtype = tensor.nbytes, _DTYPE_NAMES.get(tensor.dtype) or _dtype_name(tensor.dtype)
-                if t._cuda and not self.async_op and tensor.is_cuda:
-                    start = torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    self.cuda_start = start
-                else:
-                    self.cuda_start = None
-            else:
-                nbytes, dtype = _payload(tensor)
-                self.cuda_start = None
-            info = g.info
-            self.group = info
-            self.enter_mono = enter_mono
-            self._prefix = (
-                t._rank, step, seq, gseq, self.op, g.name, g.ranks, self.peer, nbytes, dtype, self.async_op,
-                enter_wall, enter_mono,
-            )
-            t._live.add(self)
+                t._enter_loose(self)
+            if self._cuda_tensor:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.cuda_start = start
+            self.enter_mono = _mono()
             return info
         except Exception as exc:
-            self._prefix = None
+            record = getattr(self, "record", None)
+            if record is not None and record.ops and record.ops[-1] is self:
+                record.ops.pop()
+            self.record = None
+            if hasattr(self, "enter_mono"):
+                del self.enter_mono
             t._on_internal("collective.enter", exc)
             return None
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        exit_mono, exit_wall = _mono(), _wall()
-        t = self._tracker
-        try:
-            prefix = self._prefix
-            if prefix is None:  # entering failed: nothing to record
-                return
-            t._live.discard(self)
-            enter_mono = self.enter_mono
-            duration = exit_mono - enter_mono
-            counters = self._counters
-            if counters is not None and counters is t.counters:  # still the step it was issued in
-                if self.async_op:
-                    if exit_mono > counters.async_last_exit_mono:
-                        counters.async_last_exit_mono = exit_mono
-                else:
-                    counters.blocked_ns += duration
-                    counters.blocked.append((enter_mono, exit_mono))
-            if exc is None and self.cuda_start is None:  # the common case
-                t._append_row(prefix + (exit_wall, exit_mono, duration, None, _OK, None))
-                return
-            t._finish(self, prefix, exit_wall, exit_mono, duration, exc)
-        except Exception as internal:
-            t._on_internal("collective.exit", internal)
+        self.exit_mono = _mono()
+        if exc is not None or self.record is None or self._cuda_tensor:
+            self._tracker._exit_slow(self, exc)
 
-    # what events and tests read of an operation (cold paths)
+    @property
+    def entered(self) -> bool:
+        return hasattr(self, "enter_mono")
+
     @property
     def step(self) -> int:
-        return self._entered()[1]  # type: ignore[return-value]
-
-    @property
-    def seq(self) -> int:
-        return self._entered()[2]  # type: ignore[return-value]
-
-    @property
-    def group_seq(self) -> int:
-        return self._entered()[3]  # type: ignore[return-value]
-
-    def _entered(self) -> Row:
-        prefix = getattr(self, "_prefix", None)
-        if prefix is None:
-            raise ValueError(f"collective {self.op!r} was never entered")
-        return prefix
+        return self.record.step if self.record is not None else -1
 
 
 _alloc = object.__new__
@@ -241,7 +251,13 @@ def _make(tracker: CollectiveTracker, op: str, group: Any, tensor: Any, peer: in
     """A new, not yet entered operation (built without an `__init__` call: `Collector.collective` does the same
     inline, once per collective)."""
     o: _Open = _alloc(_Open)
-    o._tracker, o.op, o._group_obj, o._tensor, o.peer, o.async_op = tracker, op, group, tensor, peer, async_op
+    o._tracker, o.op, o._group_obj, o.peer, o.async_op = tracker, op, group, peer, async_op
+    if isinstance(tensor, _Tensor):
+        o.nbytes, o.dtype = tensor.nbytes, tensor.dtype
+        o._cuda_tensor = tracker._cuda and not async_op and tensor.is_cuda
+    else:
+        o.nbytes, o.dtype = _payload(tensor)
+        o._cuda_tensor = False
     return o
 
 
@@ -257,10 +273,11 @@ class CollectiveTracker:
         on_internal: Callable[[str, Exception], None],
         inflight_after_s: float = 0.5,
     ) -> None:
-        """`append` adds one row to the collectives table (`Sink.appender(Table.COLLECTIVES)`)."""
+        """`append` adds one row to the collectives table (`Sink.appender(Table.COLLECTIVES)`): rows of operations
+        outside a step, written when they exit. Rows of a step's operations are built by `drain`."""
         self._rank = rank
         self._append_row = append
-        self.counters: StepCounters | None = None
+        self.current: StepRecord | None = None
         """The step in progress; the collector sets it at step begin and clears it at step end."""
         self._on_error = on_error
         self._on_internal = on_internal
@@ -270,8 +287,13 @@ class CollectiveTracker:
         self._fast: dict[int, _Group] = {}
         """id(group object) -> its constants, filled on first use (cleared when a group is registered)."""
         self._live: set[_Open] = set()
-        """Operations entered and not yet left; the writer thread snapshots them (`in_flight_rows`)."""
-        self._pending_cuda: list[tuple[_Open, Row]] = []
+        """Operations entered outside a step and not yet left."""
+        self._errors: dict[_Open, str] = {}
+        """Error text of failed operations until their rows are written (kept off the object: the common, successful
+        operation then never has the attribute looked up and missing)."""
+        self._late: list[_Open] = []
+        """Operations of finished steps (or outside steps) that had not exited, or whose CUDA events had not
+        completed, when the writer came to them: retried at every drain."""
         self._cuda = torch.cuda.is_available()  # no CUDA: skip the per-collective device checks
         self._lock = threading.Lock()
 
@@ -334,63 +356,151 @@ class CollectiveTracker:
         """Leave `o` (entered by `enter`), with the error it failed with, if any. Never raises."""
         o.__exit__(None if error is None else type(error), error, None)
 
-    def _finish(
-        self, o: _Open, prefix: Row, exit_wall: int, exit_mono: int, duration: int, error: BaseException | None
-    ) -> None:
-        """The uncommon exits: a failed operation (error row, then the error callback) or a CUDA one (its row
-        waits for the device events, `resolve_cuda`)."""
-        o._tensor = None  # the operation may be kept a while (pending CUDA events, the last failure): not its payload
-        status = _OK if error is None else _ERROR
-        err = None if error is None else f"{type(error).__name__}: {error}"[:500]
-        row = prefix + (exit_wall, exit_mono, duration, None, status, err)
-        if error is not None:
-            self._on_error(error, o)
-        if o.cuda_start is not None and error is None:
-            o.cuda_end = torch.cuda.Event(enable_timing=True)
-            o.cuda_end.record()
-            self._pending_cuda.append((o, row))
-            return
-        self._append_row(row)
+    def _enter_loose(self, o: _Open) -> None:
+        """Entering outside a step: the operation goes to the open set, with its own wall-clock offset."""
+        o.seq = -1
+        o.wall_offset = _wall() - _mono()
+        with self._lock:
+            self._live.add(o)
 
-    def _row(
-        self, o: _Open, exit_wall: int | None, exit_mono: int | None, duration: int | None,
-        device_ns: int | None, status: str, error: str | None,
-    ) -> Row:
-        return o._entered() + (exit_wall, exit_mono, duration, device_ns, status, error)
+    def _exit_slow(self, o: _Open, exc: BaseException | None) -> None:
+        """The uncommon exits: a failed operation (error recorded, then the error callback), one outside a step
+        (written now), a CUDA one (its end event recorded; the writer resolves it later). Never raises."""
+        try:
+            if not hasattr(o, "enter_mono"):  # entering failed: nothing to record
+                return
+            if exc is not None:
+                with self._lock:
+                    self._errors[o] = f"{type(exc).__name__}: {exc}"[:500]
+            elif getattr(o, "cuda_start", None) is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                o.cuda_end = end
+            if o.record is None:
+                row = None
+                with self._lock:
+                    self._live.discard(o)
+                    if getattr(o, "cuda_end", None) is not None:
+                        self._late.append(o)  # written by `drain` once its events completed
+                    else:
+                        row = self._row(o)
+                        self._errors.pop(o, None)
+                if row is not None:
+                    self._append_row(row)  # outside the lock: a sink may take its own lock, and call `drain`
+            if exc is not None:
+                self._on_error(exc, o)
+        except Exception as internal:
+            self._on_internal("collective.exit", internal)
+
+    def _row(self, o: _Open, device_ns: int | None = None) -> Row:
+        """The `collectives` row of an entered operation, as it stands (in flight if it has not exited)."""
+        record = o.record
+        if record is not None:
+            offset, step, seq = record.start_wall_ns - record.start_mono_ns, record.step, o.seq
+        else:
+            offset, step, seq = o.wall_offset, -1, -1
+        g = o.group
+        enter, end = o.enter_mono, o.exit_mono
+        error = self._errors.get(o) if self._errors else None
+        status = _ERROR if error is not None else (_IN_FLIGHT if end is None else _OK)
+        return (
+            self._rank, step, seq, o.group_seq, o.op, g.name, g.ranks, o.peer, o.nbytes, _dtype_name(o.dtype),
+            o.async_op, enter + offset, enter,
+            None if end is None else end + offset, end, None if end is None else end - enter,
+            device_ns, status, error,
+        )
+
+    def _forget_error(self, o: _Open) -> None:
+        with self._lock:
+            self._errors.pop(o, None)
+
+    def _device_ns(self, o: _Open, *, wait: bool) -> tuple[bool, int | None]:
+        """(ready, device ns) of an exited operation: CUDA ones are ready once their end event completed."""
+        if not o._cuda_tensor:
+            return True, None
+        start = getattr(o, "cuda_start", None)
+        end = getattr(o, "cuda_end", None)
+        if start is None or end is None:
+            return True, None
+        if not wait and not end.query():
+            return False, None
+        if wait:
+            end.synchronize()
+        return True, int(start.elapsed_time(end) * 1e6)
+
+    def drain(self, done: Iterable[StepRecord], current: StepRecord | None = None, *, wait: bool = False) -> list[Row]:
+        """Rows of exited operations not yet written: those of finished steps `done`, those kept back earlier, and
+        the leading exited ones of the step in progress. Operations not yet exited (or with CUDA events not yet
+        complete, unless `wait`) are kept back for the next drain. Runs on the writer thread."""
+        rows: list[Row] = []
+        with self._lock:
+            late, self._late = self._late, []
+        keep: list[_Open] = []
+        for record in done:
+            late.extend(record.ops[record.written :])
+        for o in late:
+            if not hasattr(o, "enter_mono"):
+                continue
+            if o.exit_mono is None:
+                keep.append(o)
+                continue
+            ready, device_ns = self._device_ns(o, wait=wait)
+            if ready:
+                rows.append(self._row(o, device_ns))
+                if self._errors:
+                    self._forget_error(o)
+            else:
+                keep.append(o)
+        if current is not None:
+            ops, i = current.ops, current.written
+            n = len(ops)
+            while i < n:
+                o = ops[i]
+                if not hasattr(o, "enter_mono") or o.exit_mono is None:
+                    break
+                ready, device_ns = self._device_ns(o, wait=False)
+                if not ready:
+                    break
+                rows.append(self._row(o, device_ns))
+                if self._errors:
+                    self._forget_error(o)
+                i += 1
+            current.written = i
+        if keep:
+            with self._lock:
+                self._late[:0] = keep
+        return rows
 
     # -- DDP ------------------------------------------------------------------------------------------
     def ddp_comm_hook(
-        self, group: Any = None, *, before: Callable[[GroupInfo], None] | None = None
+        self, group: Any = None, *, before: Callable[[GroupInfo], None] | None = None, grad_norm: bool = True
     ) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
         """A DDP comm hook (``ddp.register_comm_hook(None, hook)``): averaging all-reduce per bucket, timed,
         and the bucket's local squared norm added to the step's pre-all-reduce gradient norm."""
 
         size = dist.get_world_size(group)
 
+        scale = float(size * size)
+
         def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-            buf: torch.Tensor = bucket.buffer()
+            buf: torch.Tensor = bucket.buffer()  # flat, 1-D
+            buf.div_(size)  # the averaging DDP does anyway; an error here is DDP's own, as without the collector
             o: _Open | None = None
             try:
-                counters = self.counters
-                if counters is not None:
-                    flat = buf.detach().view(-1)
-                    if flat.dtype not in (torch.float32, torch.float64):
-                        flat = flat.float()
-                    sq = torch.dot(flat, flat)  # one pass, no temporary
-                    if buf.is_cuda:
-                        counters.grad_sq_dev = sq if counters.grad_sq_dev is None else counters.grad_sq_dev + sq
-                    else:
-                        counters.grad_sq += float(sq)
+                record = self.current
+                if record is not None and grad_norm:
+                    # after the division, while the bucket is still in cache: one more pass costs a fraction of a
+                    # pass over cold memory. |g / n|² · n² = |g|² (exactly, for a power-of-two n)
+                    flat = buf if buf.dtype in (torch.float32, torch.float64) else buf.float()
+                    record.grad_sq.append((torch.dot(flat, flat), scale))  # a 0-d tensor: read by the writer
                 o = _make(self, "all_reduce", group, buf, None, True)
-                o.__enter__()  # never raises; an internal error is counted and leaves no prefix
-                if o._prefix is None:  # entering failed: nothing to time
+                if o.__enter__() is None:  # never raises; an internal error is counted, and nothing is timed
                     o = None
             except Exception as exc:
                 self._on_internal("ddp_comm_hook", exc)
             try:
                 if before is not None and o is not None:
                     before(o.group)
-                buf.div_(size)
                 work = dist.all_reduce(buf, group=group, async_op=True)
                 assert work is not None
                 fut = work.get_future()
@@ -417,26 +527,21 @@ class CollectiveTracker:
         return hook
 
     # -- state for the writer and heartbeats ---------------------------------------------------------
+    def _open_now(self) -> list[_Open]:
+        """Operations entered and not exited (a copy: other threads add and remove them meanwhile)."""
+        with self._lock:
+            candidates = list(self._live) + self._late
+        current = self.current
+        if current is not None:
+            candidates += current.ops[current.written :]
+        return [o for o in candidates if hasattr(o, "enter_mono") and o.exit_mono is None]
+
     def in_flight_rows(self) -> Iterable[tuple[Table, Row]]:
-        now = time.monotonic_ns()
-        # a copy (the training thread adds and removes operations meanwhile), in the order they were entered
-        for o in sorted(list(self._live), key=_entry_order):
+        now = _mono()
+        for o in sorted(self._open_now(), key=_entry_order):
             if now - o.enter_mono >= self._inflight_after_ns:
-                yield Table.COLLECTIVES, self._row(o, None, None, None, None, _IN_FLIGHT, None)
+                yield Table.COLLECTIVES, self._row(o)
 
     def oldest_open(self) -> _Open | None:
-        opened = list(self._live)
+        opened = self._open_now()
         return min(opened, key=_entry_order) if opened else None
-
-    def resolve_cuda(self, *, wait: bool = False) -> None:
-        """Append rows whose CUDA events completed (all of them, synchronizing, when `wait`)."""
-        still: list[tuple[_Open, Row]] = []
-        for o, row in self._pending_cuda:
-            if wait or o.cuda_end.query():
-                if wait:
-                    o.cuda_end.synchronize()
-                device_ns = int(o.cuda_start.elapsed_time(o.cuda_end) * 1e6)
-                self._append_row(row[:_DEVICE_IDX] + (device_ns,) + row[_DEVICE_IDX + 1 :])
-            else:
-                still.append((o, row))
-        self._pending_cuda = still

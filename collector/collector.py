@@ -14,6 +14,11 @@
 Failure semantics: nothing here raises into the training loop or blocks it on I/O. Internal errors are
 counted (`errors`) and the first is logged; the user's own exceptions pass through untouched (after being
 recorded). Rows go to a `Sink`; the parquet sink writes on a background thread.
+
+Cost: the hot path (steps, phases, collectives) only stamps small records with monotonic clock reads and keeps
+them with the step; at step end the step is handed over whole, and the sink's writer thread builds the rows of
+steps, phases and collectives (`_drain`, the sink's source) at every flush. At most `max_pending_steps` finished
+steps wait for it; beyond that, rows are dropped and counted (phases first).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,13 +42,15 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from rankwatch.collector.collectives import CollectiveTracker, GroupInfo, StepCounters, _alloc, _Open
+from rankwatch.collector.collectives import CollectiveTracker, GroupInfo, StepRecord, _alloc, _Open, _payload, _Tensor
 from rankwatch.collector.fingerprint import fingerprint
 from rankwatch.collector.gpu import GpuMonitor, GpuSample, GpuSampler
 from rankwatch.collector.schema import CheckpointPhase, EventKind, Table
-from rankwatch.collector.sink import ParquetSink, Sink, SinkConfig
+from rankwatch.collector.sink import ParquetSink, Row, Sink, SinkConfig
 
 log = logging.getLogger("rankwatch.collector")
+WRITER_CPU_PREFIX = "writer thread CPU "
+"""The exit event's message: the part-file writer's CPU time until then (parsed by benchmarks)."""
 _mono, _wall = time.monotonic_ns, time.time_ns
 
 P = ParamSpec("P")
@@ -63,12 +71,18 @@ class CollectorConfig:
     fingerprint_every: int = 50
     """Fingerprint the training state every N steps (0 = never). A fingerprint reads every parameter and
     optimizer-state byte once, so it is amortized over N steps."""
+    grad_norm: bool = True
+    """The DDP comm hook measures each bucket's local squared norm before the all-reduce (one read of the gradients
+    a step: the steps table's `local_grad_norm`). Off only where the job records its own local norm."""
     inflight_after_s: float = 0.5
     """A collective open this long is written as an in_flight row at the next flush."""
     max_buffered_rows: int = 100_000
     """Per-table buffer bound for evidence tables."""
     low_priority_max_rows: int = 10_000
     """Per-table buffer bound for GPU samples and phases (dropped first)."""
+    max_pending_steps: int = 5_000
+    """Finished steps whose rows (step, collectives, phases) wait for the writer thread, at most; beyond it a step's
+    rows are dropped and counted, and beyond half of it its phases are (they are low priority)."""
     handle_sigterm: bool = True
     """Record SIGTERM and flush before the process dies (main thread only)."""
 
@@ -78,6 +92,8 @@ class CollectorConfig:
                 raise ValueError(f"CollectorConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.fingerprint_every < 0:
             raise ValueError(f"CollectorConfig.fingerprint_every must be >= 0, got {self.fingerprint_every}")
+        if self.max_pending_steps < 2:
+            raise ValueError(f"CollectorConfig.max_pending_steps must be >= 2, got {self.max_pending_steps}")
         if self.inflight_after_s < 0:
             raise ValueError(f"CollectorConfig.inflight_after_s must be >= 0, got {self.inflight_after_s}")
 
@@ -90,49 +106,32 @@ class CollectorConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class StepRecord:
-    """The step in progress; the training loop sets `loss`, `local_grad_norm` and `data_position`."""
-
-    step: int
-    counters: StepCounters
-    start_wall_ns: int
-    start_mono_ns: int
-    loss: float | torch.Tensor | None = None
-    local_grad_norm: float | None = None
-    data_position: int | None = None
-    dataloader_wait_ns: int = 0
-    checkpoint_ns: int = 0
-    phase: str | None = None
-
-
-@dataclass(kw_only=True, slots=True)
 class CheckpointPhaseRecord:
     bytes: int | None = None
 
 
 class _Phase:
-    """A phase context (a class, not a generator: it is on the hot path, several times a step). Built by
-    `Collector.phase` without an `__init__` call."""
+    """A phase context (a class, not a generator: it is on the hot path, several times a step) and its record:
+    the step keeps it, and the writer thread builds its row. Built by `Collector.phase` without an `__init__`
+    call."""
 
-    __slots__ = ("_c", "_name", "_previous", "_start_mono", "_start_wall")
+    __slots__ = ("_c", "name", "_previous", "start", "end")
     _c: Collector
-    _name: str
+    name: str
+    start: int
+    end: int
 
     def __enter__(self) -> None:
         c = self._c
         self._previous = c._phase
-        c._phase = self._name
-        self._start_mono, self._start_wall = _mono(), _wall()
+        c._phase = self.name
+        self.start = _mono()
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        end = _mono()
+        self.end = _mono()
         c = self._c
         c._phase = self._previous
-        start = self._start_mono
-        try:
-            c._append_phase((c.rank, c._step_no, self._name, self._start_wall, start, end - start))
-        except Exception as internal:
-            c._internal_error("phase", internal)
+        c._add_phase(self)
 
 
 class _Step:
@@ -148,8 +147,7 @@ class _Step:
         return record
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if exc_type is None:  # a step that raises writes no step row (the exception event covers it)
-            self._c._end_step(self._record)
+        self._c._end_step(self._record, failed=exc_type is not None)
 
 
 def _process_numa_node() -> int | None:
@@ -216,10 +214,13 @@ class Collector:
         self._gpu_monitor: GpuMonitor | None = None
         self._prev_sigterm: Any = None
         self._reported_drops = 0
-        self._step_no = -1
-        """Number of the step in progress, -1 outside a step (what phase rows record)."""
         self._append_phase = self.sink.appender(Table.PHASES)
-        self._append_step = self.sink.appender(Table.STEPS)
+        self._add_phase: Callable[[_Phase], None] = self._loose_phase
+        """Where a finished phase goes: the step in progress's list, or straight to the sink outside a step."""
+        self._done: deque[StepRecord] = deque()
+        """Finished steps waiting for the writer thread (`_drain`), at most `config.max_pending_steps`."""
+        self._dropped: dict[Table, int] = {Table.STEPS: 0, Table.COLLECTIVES: 0, Table.PHASES: 0}
+        self._final = False
         self.tracker = CollectiveTracker(
             rank=rank,
             append=self.sink.appender(Table.COLLECTIVES),  # the tracker's own try/except catches a failing sink
@@ -227,6 +228,7 @@ class Collector:
             on_internal=self._internal_error,
             inflight_after_s=config.inflight_after_s,
         )
+        self.sink.set_source(self._drain)
         self.sink.set_snapshot(self.tracker.in_flight_rows)
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -268,10 +270,11 @@ class Collector:
                 self._gpu_monitor.stop(timeout_s=2.0)
             if self._heartbeat is not None:
                 self._heartbeat.join(timeout=2.0)
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                self.tracker.resolve_cuda(wait=True)
+            self._final = True  # the last drains wait for outstanding CUDA events
             self._report_drops()
-            self.event(EventKind.EXIT, exit_code=exit_code)
+            writer_ns = getattr(self.sink, "writer_cpu_ns", None)  # the collector's own background cost, so far
+            self.event(EventKind.EXIT, exit_code=exit_code,
+                       message=None if writer_ns is None else f"{WRITER_CPU_PREFIX}{writer_ns / 1e6:.1f} ms")
             self.sink.close(timeout_s=10.0)
             if self.gpu_sampler is not None:
                 self.gpu_sampler.close()
@@ -346,8 +349,7 @@ class Collector:
 
     def _begin_step(self, step: int) -> StepRecord:
         start_mono, start_wall = _mono(), _wall()
-        counters = StepCounters(step)
-        record = StepRecord(step=step, counters=counters, start_wall_ns=start_wall, start_mono_ns=start_mono)
+        record = StepRecord(step, start_wall, start_mono)
         pending = self._pending_wait
         if pending is not None:  # the batch for this step was fetched just before it began
             self._pending_wait = None
@@ -355,51 +357,93 @@ class Collector:
             record.start_wall_ns -= start_mono - pending[0]
             record.start_mono_ns = pending[0]
         self._current = record
-        self._step_no = step
-        self.tracker.counters = counters
+        self._add_phase = record.phases.append  # type: ignore[union-attr]
+        self.tracker.current = record
         return record
 
-    def _end_step(self, record: StepRecord) -> None:
-        end_mono, end_wall = _mono(), _wall()
+    def _end_step(self, record: StepRecord, *, failed: bool = False) -> None:
+        """Hand the finished step to the writer thread, which builds its rows (`_drain`). A step that raised
+        writes no step row (the exception event covers it); its collectives and phases are written."""
+        record.end_mono_ns = _mono()
+        self._current = None
+        self.tracker.current = None
+        self._add_phase = self._loose_phase
+        self._last_step = record.step
         try:
-            self._current = None
-            self._step_no = -1
-            tracker = self.tracker
-            tracker.counters = None
-            step = self._last_step = record.step
-            counters = record.counters
-            start_mono = record.start_mono_ns
-            duration = end_mono - start_mono
-            wait = counters.blocked_ns
-            if counters.async_last_exit_mono > counters.async_last_enter_mono:  # async collectives ended in the step
-                wait += counters.async_exposed_ns()
-            dataloader_wait, checkpoint = record.dataloader_wait_ns, record.checkpoint_ns
-            compute = max(0, duration - wait - dataloader_wait - checkpoint)
+            record.failed = failed
             loss = record.loss
             if isinstance(loss, torch.Tensor):
-                loss = float(loss.detach())
-            grad_norm = record.local_grad_norm
-            if grad_norm is None and (counters.grad_sq or counters.grad_sq_dev is not None):
-                sq = counters.grad_sq + (float(counters.grad_sq_dev) if counters.grad_sq_dev is not None else 0.0)
-                grad_norm = sq**0.5
-            finite = (loss is None or math.isfinite(loss)) and (grad_norm is None or math.isfinite(grad_norm))
-            position = record.data_position if record.data_position is not None else self._data_position
-            self._append_step(
-                (
-                    self.rank, step, self.attempt, record.start_wall_ns, end_wall, start_mono, end_mono,
-                    duration, compute, wait, dataloader_wait, checkpoint, counters.seq,
-                    loss, grad_norm, finite, position,
-                )
-            )
-            if tracker._pending_cuda:
-                tracker.resolve_cuda()
+                record.loss = loss.detach()  # keep no autograd graph alive until the writer reads it
+            if record.data_position is None:
+                record.data_position = self._data_position
+            done = self._done
+            n = len(done)
+            if n >= self.config.max_pending_steps // 2:  # the writer fell behind: drop low priority rows first
+                dropped = self._dropped
+                if record.phases:
+                    dropped[Table.PHASES] += len(record.phases)
+                record.phases = None
+                if n >= self.config.max_pending_steps:
+                    dropped[Table.STEPS] += 1
+                    dropped[Table.COLLECTIVES] += len(record.ops) - record.written
+                    return
+            done.append(record)
         except Exception as exc:
             self._internal_error("_end_step", exc)
+
+    def _loose_phase(self, phase: _Phase) -> None:
+        try:
+            start = phase.start
+            self._append_phase((self.rank, -1, phase.name, start + _wall() - _mono(), start, phase.end - start))
+        except Exception as exc:
+            self._internal_error("phase", exc)
+
+    def _drain(self) -> dict[Table, list[Row]]:
+        """The rows of finished steps (step, collectives, phases) and of the step in progress's exited collectives:
+        the sink's source, called by its writer thread at every flush."""
+        done: list[StepRecord] = []
+        pop = self._done.popleft
+        while True:
+            try:
+                done.append(pop())
+            except IndexError:
+                break
+        steps: list[Row] = []
+        phases: list[Row] = []
+        rank = self.rank
+        for record in done:
+            step, offset = record.step, record.start_wall_ns - record.start_mono_ns
+            if not record.failed:
+                steps.append(self._step_row(record))
+            if record.phases:
+                phases += [(rank, step, p.name, p.start + offset, p.start, p.end - p.start) for p in record.phases]
+        collectives = self.tracker.drain(done, self._current, wait=self._final)
+        return {Table.STEPS: steps, Table.PHASES: phases, Table.COLLECTIVES: collectives}
+
+    def _step_row(self, record: StepRecord) -> Row:
+        start_mono, end_mono = record.start_mono_ns, record.end_mono_ns
+        assert end_mono is not None
+        duration = end_mono - start_mono
+        wait, _ = record.waits()
+        dataloader_wait, checkpoint = record.dataloader_wait_ns, record.checkpoint_ns
+        compute = max(0, duration - wait - dataloader_wait - checkpoint)
+        loss = record.loss
+        if isinstance(loss, torch.Tensor):
+            loss = float(loss)
+        grad_norm = record.local_grad_norm
+        if grad_norm is None and record.grad_sq:
+            grad_norm = sum(float(sq) * factor for sq, factor in record.grad_sq) ** 0.5
+        finite = (loss is None or math.isfinite(loss)) and (grad_norm is None or math.isfinite(grad_norm))
+        return (
+            self.rank, record.step, self.attempt, record.start_wall_ns, end_mono + record.start_wall_ns - start_mono,
+            start_mono, end_mono, duration, compute, wait, dataloader_wait, checkpoint, record.seq,
+            loss, grad_norm, finite, record.data_position,
+        )
 
     def phase(self, name: str) -> _Phase:
         """Context manager timing a named phase of the current step (forward, backward, optimizer, ...)."""
         context: _Phase = _alloc(_Phase)
-        context._c, context._name = self, name
+        context._c, context.name = self, name
         return context
 
     def wrap_loader(self, iterable: Iterable[R], *, position: Callable[[], int] | None = None) -> Iterator[R]:
@@ -438,12 +482,18 @@ class Collector:
     ) -> Any:
         """Context manager timing the blocking collective issued in its body."""
         o: _Open = _alloc(_Open)  # `collectives._make`, inlined: this runs per collective
-        o._tracker, o.op, o._group_obj, o._tensor, o.peer, o.async_op = self.tracker, op, group, tensor, peer, False
+        t = self.tracker
+        o._tracker, o.op, o._group_obj, o.peer, o.async_op = t, op, group, peer, False
+        if type(tensor) is _Tensor:
+            o.nbytes, o.dtype, o._cuda_tensor = tensor.nbytes, tensor.dtype, t._cuda and tensor.is_cuda
+        else:
+            o.nbytes, o.dtype = _payload(tensor)
+            o._cuda_tensor = t._cuda and isinstance(tensor, _Tensor) and tensor.is_cuda
         return o
 
     def ddp_comm_hook(self, group: Any = None, *, before: Callable[[GroupInfo], None] | None = None) -> Any:
         """A DDP comm hook that times each gradient bucket and measures the pre-all-reduce gradient norm."""
-        return self.tracker.ddp_comm_hook(group, before=before)
+        return self.tracker.ddp_comm_hook(group, before=before, grad_norm=self.config.grad_norm)
 
     def _collective_failed(self, exc: BaseException, o: _Open) -> None:
         self._last_failed = o
@@ -560,8 +610,16 @@ class Collector:
             except Exception as exc:
                 self._internal_error("heartbeat", exc)
 
+    @property
+    def dropped(self) -> dict[Table, int]:
+        """Rows dropped so far, per table: by the sink's bounded buffers and by the bound on finished steps."""
+        total = dict(self.sink.dropped)
+        for table, n in self._dropped.items():
+            total[table] = total.get(table, 0) + n
+        return total
+
     def _report_drops(self) -> None:
-        total = self.sink.dropped_total
+        total = sum(self.dropped.values())
         if total != self._reported_drops:
             self._reported_drops = total
             self.event(EventKind.DROPS, dropped_rows=total, message="writer fell behind; rows dropped")

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rankwatch.collector.collector import CheckpointPhaseRecord, StepRecord
-from rankwatch.collector.collectives import GroupInfo, StepCounters
+from rankwatch.collector.collectives import GroupInfo
 from rankwatch.collector.schema import CheckpointPhase, EventKind
 
 R = TypeVar("R")
@@ -49,7 +49,7 @@ class NullCollector:
 
     @contextmanager
     def step(self, step: int) -> Iterator[StepRecord]:
-        yield StepRecord(step=step, counters=StepCounters(step), start_wall_ns=0, start_mono_ns=0)
+        yield StepRecord(step)
 
     def phase(self, name: str) -> Any:
         return nullcontext()

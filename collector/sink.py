@@ -37,6 +37,8 @@ log = logging.getLogger("rankwatch.collector")
 Row = tuple[object, ...]
 #: Rows describing state at write time (e.g. collectives still in flight), asked for at every flush.
 SnapshotFn = Callable[[], Iterable[tuple[Table, Row]]]
+#: Rows whose building was left to the writer (e.g. finished steps'), per table, taken once each at every flush.
+SourceFn = Callable[[], Mapping[Table, list[Row]]]
 
 _PART_RE = re.compile(r"^part-(\d+)\.parquet$")
 
@@ -51,8 +53,9 @@ class SinkConfig:
     """Per-table buffer bound for low-priority tables (GPU samples, phases)."""
     rows_per_part: int = 50_000
     """A buffer this full wakes the writer before the interval ends."""
-    compression: str = "zstd"
-    """Parquet compression codec."""
+    compression: str = "lz4"
+    """Parquet compression codec. lz4 writes a small part in about half zstd's CPU time; rank parts are short-lived
+    where host rollups (zstd) merge them."""
     fsync: bool = False
     """fsync each part before the rename: survives a host crash, not only a process kill. Costs I/O."""
 
@@ -83,6 +86,11 @@ class Sink(ABC):
     def set_snapshot(self, fn: SnapshotFn | None) -> None:
         """Register rows to add at every flush (state at write time). Default: ignored."""
 
+    @abstractmethod
+    def set_source(self, fn: SourceFn | None) -> None:
+        """Register a function whose rows are appended at every flush (once each: rows a producer left the writer
+        to build, off the hot path). It must not raise; if it does, the error is counted and the flush goes on."""
+
     def start(self) -> None:
         """Start background work, if any."""
 
@@ -112,27 +120,44 @@ class MemorySink(Sink):
         self._dropped: dict[Table, int] = {t: 0 for t in Table}
         self._capacity = capacity
         self._snapshot: SnapshotFn | None = None
+        self._source: SourceFn | None = None
         self._lock = threading.Lock()
         self.closed = False
 
     def append(self, table: Table, row: Row) -> None:
         with self._lock:
-            rows = self._rows[table]
-            if self.closed or (self._capacity is not None and len(rows) >= self._capacity):
-                self._dropped[table] += 1
-                return
-            rows.append(row)
+            self._append_locked(table, row)
+
+    def _append_locked(self, table: Table, row: Row) -> None:
+        rows = self._rows[table]
+        if self.closed or (self._capacity is not None and len(rows) >= self._capacity):
+            self._dropped[table] += 1
+            return
+        rows.append(row)
 
     def set_snapshot(self, fn: SnapshotFn | None) -> None:
         self._snapshot = fn
+
+    def set_source(self, fn: SourceFn | None) -> None:
+        self._source = fn
+
+    def _pull(self) -> None:
+        """Take the source's rows, as a flush would (a reader sees what a parquet sink would have written)."""
+        if self._source is not None and not self.closed:
+            with self._lock:
+                for table, rows in self._source().items():
+                    for row in rows:
+                        self._append_locked(table, row)
 
     def snapshot_rows(self) -> list[tuple[Table, Row]]:
         return list(self._snapshot()) if self._snapshot else []
 
     def flush(self, timeout_s: float | None = None) -> bool:
+        self._pull()
         return True
 
     def close(self, timeout_s: float | None = 10.0) -> None:
+        self._pull()
         self.closed = True
 
     @property
@@ -140,6 +165,7 @@ class MemorySink(Sink):
         return dict(self._dropped)
 
     def rows(self, table: Table) -> list[Row]:
+        self._pull()
         with self._lock:
             return list(self._rows[table])
 
@@ -190,9 +216,12 @@ class ParquetSink(Sink):
         self._closed = False
         self._thread: threading.Thread | None = None
         self._snapshot: SnapshotFn | None = None
+        self._source: SourceFn | None = None
         self.write_errors = 0
         self.parts_written = 0
         self.bytes_written = 0
+        self.writer_cpu_ns = 0
+        """CPU time the writer thread spent building and writing parts (its own cost, for benchmarks)."""
 
     # -- training-thread side -------------------------------------------------------------------------
     def append(self, table: Table, row: Row) -> None:
@@ -224,6 +253,9 @@ class ParquetSink(Sink):
 
     def set_snapshot(self, fn: SnapshotFn | None) -> None:
         self._snapshot = fn
+
+    def set_source(self, fn: SourceFn | None) -> None:
+        self._source = fn
 
     @property
     def dropped(self) -> Mapping[Table, int]:
@@ -282,7 +314,9 @@ class ParquetSink(Sink):
             self._wake.clear()
             with self._done:
                 target = self._requested
+            cpu = time.thread_time_ns()
             self._write_once()
+            self.writer_cpu_ns += time.thread_time_ns() - cpu
             with self._done:
                 self._completed = max(self._completed, target)
                 self._done.notify_all()
@@ -293,6 +327,15 @@ class ParquetSink(Sink):
             n = len(buf)
             if n:
                 batches[t] = [buf.popleft() for _ in range(n)]
+        if self._source is not None:
+            try:
+                for table, rows in self._source().items():
+                    if table in batches:
+                        batches[table].extend(rows)
+                    elif rows:
+                        batches[table] = rows
+            except Exception as exc:  # a broken source must not stop the writer
+                self._count_error(f"source: {type(exc).__name__}: {exc}")
         if self._snapshot is not None:
             try:
                 for table, row in self._snapshot():

@@ -78,6 +78,9 @@ class CanaryConfig:
     """Embed the collector (False = the no-op collector, for overhead comparisons)."""
     fingerprint_every: int = 50
     """Fingerprint the training state every N steps."""
+    grad_norm: bool = True
+    """The collector measures each rank's local gradient norm before the all-reduce (off: only for overhead
+    breakdowns; the steps table's local_grad_norm is then empty)."""
     flush_interval_s: float = 5.0
     """Collector part-file interval."""
     heartbeat_interval_s: float = 1.0
@@ -170,6 +173,7 @@ class _Rank:
                     heartbeat_interval_s=self.cfg.heartbeat_interval_s,
                     gpu_interval_s=self.cfg.gpu_interval_s,
                     fingerprint_every=self.cfg.fingerprint_every,
+                    grad_norm=self.cfg.grad_norm,
                 ),
                 rank=self.rank,
                 world_size=self.cfg.world_size,
@@ -203,7 +207,9 @@ class _Rank:
                            tp=self.tp, tp_size=self.layout.tp).to(self.device)
         self.stage.set_all_reduce(self._tp_all_reduce)
         self.ddp = DDP(self.stage, process_group=self.groups.dp)
-        self.ddp.register_comm_hook(None, self.c.ddp_comm_hook(self.groups.dp, before=self._link_delay))
+        # the link-fault delay runs inside the timed bucket all-reduce; without faults there is nothing to call
+        link_delay = self._link_delay if self.faults else None
+        self.ddp.register_comm_hook(None, self.c.ddp_comm_hook(self.groups.dp, before=link_delay))
         self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=self.cfg.lr)
         self.loader = ShardedLoader(SyntheticRegression(self.cfg.model, seed=self.cfg.seed),
                                     global_batch=self.cfg.global_batch, dp=self.dp, dp_size=self.layout.dp)

@@ -81,6 +81,7 @@ def _record_launch(cfg: CanaryConfig) -> int:
             "gpu": cfg.gpu,
             "pg_timeout_s": cfg.pg_timeout_s,
             "fingerprint_every": cfg.fingerprint_every,
+            "grad_norm": cfg.grad_norm,
             "flush_interval_s": cfg.flush_interval_s,
             "heartbeat_interval_s": cfg.heartbeat_interval_s,
             "gpu_interval_s": cfg.gpu_interval_s,

@@ -538,7 +538,7 @@ def config_from_run(run_dir: Path) -> CanaryConfig:
             pg_timeout_s=float(last["pg_timeout_s"]), fingerprint_every=int(last["fingerprint_every"]),
             flush_interval_s=float(last["flush_interval_s"]), heartbeat_interval_s=float(last["heartbeat_interval_s"]),
             gpu_interval_s=float(last["gpu_interval_s"]), backend=last["backend"],
-            device_shift=int(last.get("device_shift", 0)),
+            device_shift=int(last.get("device_shift", 0)), grad_norm=bool(last.get("grad_norm", True)),
         )
     except KeyError as exc:
         raise ValueError(f"{Path(run_dir) / RUN_FILE}: launch record lacks {exc} (written by an older rankwatch)") from None

@@ -237,23 +237,34 @@ class _FakeEvent:
 def test_cuda_rows_are_resolved_later_without_synchronizing(tmp_path: Path) -> None:
     sink = MemorySink()
     c = _collector(tmp_path, sink)
-    tracker = c.tracker
-    with c.step(0):
-        o1 = tracker.enter("all_reduce", GROUP, torch.zeros(2))
-        o2 = tracker.enter("all_reduce", GROUP, torch.zeros(2))
     done, pending = _FakeEvent(True, 1.5), _FakeEvent(False, 2.0)
-    for o, end in ((o1, done), (o2, pending)):
-        o.cuda_start = _FakeEvent(True)
-        row = tracker._row(o, 1, 1, 1, None, CollectiveStatus.OK, None)
-        o.cuda_end = end
-        tracker._pending_cuda.append((o, row))
-    tracker.resolve_cuda()
+    with c.step(0) as record:
+        for end in (done, pending):
+            with c.collective("all_reduce", GROUP, torch.zeros(2)):
+                pass
+            o = record.ops[-1]  # as a CUDA tensor's exit leaves it: both events recorded, the end one maybe not done
+            o._cuda_tensor, o.cuda_start, o.cuda_end = True, _FakeEvent(True), end
     idx = column_names(Table.COLLECTIVES).index(Collectives.DEVICE_DURATION_NS)
-    assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000]
-    assert not pending.synchronized and len(tracker._pending_cuda) == 1
-    tracker.resolve_cuda(wait=True)  # at close: wait for the rest
+    assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000]  # a flush: the done one only
+    assert not pending.synchronized
+    assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000]  # still pending, not written twice
+    pending.done = True
     assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000, 2_000_000]
-    assert pending.synchronized
+    assert not pending.synchronized
+
+
+def test_close_waits_for_outstanding_cuda_events(tmp_path: Path) -> None:
+    sink = MemorySink()
+    c = _collector(tmp_path, sink)
+    pending = _FakeEvent(False, 2.0)
+    with c.step(0) as record:
+        with c.collective("all_reduce", GROUP, torch.zeros(2)):
+            pass
+        o = record.ops[-1]
+        o._cuda_tensor, o.cuda_start, o.cuda_end = True, _FakeEvent(True), pending
+    c.close(exit_code=0)
+    idx = column_names(Table.COLLECTIVES).index(Collectives.DEVICE_DURATION_NS)
+    assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [2_000_000] and pending.synchronized
 
 
 def test_topology_row_without_gpu_has_pid_host_and_process_numa_node(tmp_path: Path) -> None:
@@ -270,3 +281,98 @@ def test_topology_row_without_gpu_has_pid_host_and_process_numa_node(tmp_path: P
     assert get[Topology.DEVICE_UUID] is None
     (group,) = get[Topology.GROUPS]
     assert group["name"] == INFO.name and group["links"] == ["host0<->host1"]
+
+
+def test_rows_are_built_by_the_writer_once_each_even_mid_step(tmp_path: Path) -> None:
+    sink = MemorySink()
+    c = _collector(tmp_path, sink)
+    with c.step(4):
+        with c.phase("forward"):
+            with c.collective("all_reduce", GROUP, torch.zeros(2)):
+                pass
+        with c.collective("broadcast", GROUP, torch.zeros(2)):
+            # a flush while the step runs (a hung step): the exited collective is written now, the open one is not
+            assert _col(Table.COLLECTIVES, sink.rows(Table.COLLECTIVES), Collectives.OP) == ["all_reduce"]
+            assert sink.rows(Table.STEPS) == [] and sink.rows(Table.PHASES) == []
+    rows = sink.rows(Table.COLLECTIVES)
+    assert _col(Table.COLLECTIVES, rows, Collectives.OP) == ["all_reduce", "broadcast"]
+    assert _col(Table.COLLECTIVES, rows, Collectives.SEQ) == [0, 1]
+    assert _col(Table.COLLECTIVES, rows, Collectives.GROUP_SEQ) == [0, 1]
+    (step,) = sink.rows(Table.STEPS)
+    get = dict(zip(column_names(Table.STEPS), step))
+    for r in rows:  # wall-clock times derived from the step's wall - monotonic offset
+        coll = dict(zip(column_names(Table.COLLECTIVES), r))
+        offset = get[Steps.START_WALL_NS] - get[Steps.START_MONO_NS]
+        assert coll[Collectives.ENTER_WALL_NS] - coll[Collectives.ENTER_MONO_NS] == offset
+        assert coll[Collectives.EXIT_WALL_NS] - coll[Collectives.EXIT_MONO_NS] == offset
+        assert coll[Collectives.DURATION_NS] == coll[Collectives.EXIT_MONO_NS] - coll[Collectives.ENTER_MONO_NS]
+        assert coll[Collectives.STEP] == 4 and coll[Collectives.STATUS] == CollectiveStatus.OK
+    assert abs(get[Steps.START_WALL_NS] - time.time_ns()) < 60e9
+    assert _col(Table.PHASES, sink.rows(Table.PHASES), "phase") == ["forward"]
+
+
+def test_collective_and_phase_outside_a_step_are_written_at_exit(tmp_path: Path) -> None:
+    sink = MemorySink()
+    c = _collector(tmp_path, sink)
+    with c.phase("setup"):
+        with c.collective("barrier", GROUP):
+            assert c.tracker.oldest_open() is not None
+    assert c.tracker.oldest_open() is None
+    (coll,) = sink.rows(Table.COLLECTIVES)
+    get = dict(zip(column_names(Table.COLLECTIVES), coll))
+    assert get[Collectives.STEP] == -1 and get[Collectives.OP] == "barrier" and get[Collectives.BYTES] == 0
+    assert abs(get[Collectives.ENTER_WALL_NS] - time.time_ns()) < 60e9
+    assert _col(Table.PHASES, sink.rows(Table.PHASES), "step") == [-1]
+
+
+def test_a_writer_behind_drops_phases_first_then_steps_and_counts_them(tmp_path: Path) -> None:
+    sink = MemorySink()
+    c = _collector(tmp_path, sink, max_pending_steps=4)
+    for i in range(6):  # nothing drains meanwhile: the writer is stalled
+        with c.step(i):
+            with c.phase("forward"):
+                pass
+            with c.collective("all_reduce", GROUP, torch.zeros(2)):
+                pass
+    assert c.dropped[Table.PHASES] == 4 and c.dropped[Table.STEPS] == 2 and c.dropped[Table.COLLECTIVES] == 2
+    assert _col(Table.STEPS, sink.rows(Table.STEPS), Steps.STEP) == [0, 1, 2, 3]
+    assert _col(Table.PHASES, sink.rows(Table.PHASES), "step") == [0, 1]
+    c.close(exit_code=0)
+    drops = [r for r in sink.rows(Table.EVENTS) if dict(zip(column_names(Table.EVENTS), r))[Events.KIND] == EventKind.DROPS]
+    assert drops and dict(zip(column_names(Table.EVENTS), drops[-1]))[Events.DROPPED_ROWS] == 8
+
+
+class _Work:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        f: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        f.set_result([self.t])
+        return f
+
+
+class _Bucket:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def buffer(self) -> torch.Tensor:
+        return self.t
+
+
+def test_ddp_hook_records_the_local_gradient_norm_before_the_all_reduce(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, async_op=False: _Work(t))
+    sink = MemorySink()
+    c = _collector(tmp_path, sink)
+    hook = c.ddp_comm_hook(GROUP)
+    buckets = [torch.tensor([3.0, 4.0]), torch.tensor([12.0])]  # the rank's own gradients: norm 13
+    with c.step(0):
+        out = [hook(None, _Bucket(b)).wait() for b in buckets]
+    assert torch.allclose(out[0], torch.tensor([1.0, 4.0 / 3]))  # averaged over the 3 ranks, as DDP's own hook
+    (row,) = sink.rows(Table.STEPS)
+    assert dict(zip(column_names(Table.STEPS), row))[Steps.LOCAL_GRAD_NORM] == pytest.approx(13.0, rel=1e-6)
+    ops = _col(Table.COLLECTIVES, sink.rows(Table.COLLECTIVES), Collectives.ASYNC_OP)
+    assert ops == [True, True]
