@@ -232,10 +232,6 @@ class _Open:
             self._tracker._exit_slow(self, exc)
 
     @property
-    def entered(self) -> bool:
-        return hasattr(self, "enter_mono")
-
-    @property
     def step(self) -> int:
         return self.record.step if self.record is not None else -1
 
