@@ -181,6 +181,12 @@ def rows_to_table(table: Table, rows: list[Row]) -> pa.Table:
     )
 
 
+def dictionary_columns(table: Table) -> list[str]:
+    """Columns worth dictionary-encoding in a part file: the string ones (op, group, status, ...). Trying it on
+    integer columns — unique timestamps, mostly — costs a small part ~40 % more writer CPU for nothing."""
+    return [f.name for f in storage_schema(table) if pa.types.is_string(f.type)]
+
+
 def fsync_path(path: Path | str) -> None:
     """fsync a file or a folder by path (a folder: so a rename inside it survives a host crash)."""
     fd = os.open(path, os.O_RDONLY)
@@ -207,6 +213,7 @@ class ParquetSink(Sink):
         self._caps = {t: self._config.capacity(t) for t in Table}
         self._dropped: dict[Table, int] = {t: 0 for t in Table}
         self._next_part: dict[Table, int] = {}
+        self._dictionary = {t: dictionary_columns(t) for t in Table}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._done = threading.Condition()
@@ -379,7 +386,7 @@ class ParquetSink(Sink):
         final = directory / f"part-{n:06d}.parquet"
         tmp = directory / f".part-{n:06d}.parquet.tmp"
         try:
-            pq.write_table(data, tmp, compression=self._config.compression)
+            pq.write_table(data, tmp, compression=self._config.compression, use_dictionary=self._dictionary[table])
             if self._config.fsync:
                 fsync_path(tmp)
             os.replace(tmp, final)
