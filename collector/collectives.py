@@ -89,8 +89,8 @@ class StepRecord:
         """wall - monotonic clock at step start: the wall-clock times of the step's rows are derived with it."""
         return self.start_wall_ns - self.start_mono_ns
 
-    def waits(self) -> tuple[int, int]:
-        """(ns blocked in collectives, of which asynchronous exposed tail), from the step's exited collectives.
+    def waits(self) -> int:
+        """ns the step spent waiting in collectives, from its exited collectives.
 
         Blocking collectives count whole. Asynchronous ones (DDP buckets) count from the last one issued to the
         last one done, less the time the training thread spent blocked in other collectives meanwhile."""
@@ -114,7 +114,7 @@ class StepRecord:
                 if b > lo and a < hi:
                     overlap += (b if b < hi else hi) - (a if a > lo else lo)
             exposed = max(0, hi - lo - overlap)
-        return blocked + exposed, exposed
+        return blocked + exposed
 
 
 class _Group:
@@ -145,13 +145,12 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
     return name
 
 
-def _payload(tensor: torch.Tensor | list[torch.Tensor] | None) -> tuple[int, torch.dtype | None]:
-    if tensor is None:
+def _payload(tensors: list[torch.Tensor] | None) -> tuple[int, torch.dtype | None]:
+    """(bytes, dtype) of a collective's tensor list (all_gather's output, ...) or of no tensor."""
+    if tensors is None:
         return 0, None
-    if isinstance(tensor, torch.Tensor):
-        return tensor.nbytes, tensor.dtype
-    nbytes = sum(t.numel() * t.element_size() for t in tensor)
-    return nbytes, (tensor[0].dtype if tensor else None)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return nbytes, (tensors[0].dtype if tensors else None)
 
 
 class _Open:
@@ -160,7 +159,7 @@ class _Open:
 
     The hot path only stamps it: entering numbers it, appends it to the step in progress (`StepRecord.ops`) and
     reads the monotonic clock; exiting reads the clock again. Rows are built from it later on the writer thread
-    (`CollectiveTracker.rows`), wall-clock times derived from the step's wall - monotonic offset. Until it
+    (`CollectiveTracker.drain`), wall-clock times derived from the step's wall - monotonic offset. Until it
     exits, the writer sees it as in flight. Outside a step it is kept in the tracker's open set instead and
     written when it exits. Neither entering nor exiting raises into the caller: an internal error is counted,
     and an operation whose entry failed records nothing."""
@@ -168,7 +167,6 @@ class _Open:
     __slots__ = (
         "_tracker", "op", "_group_obj", "nbytes", "dtype", "peer", "async_op", "group", "group_seq", "seq",
         "record", "enter_mono", "exit_mono", "wall_offset", "cuda_start", "cuda_end", "_cuda_tensor",
-        "written",
     )
     # set when built (`_make`, or inline in `Collector.collective`)
     _tracker: CollectiveTracker
@@ -194,7 +192,6 @@ class _Open:
     cuda_start: Any
     """CUDA event recorded at entry (blocking operations on CUDA tensors), else None."""
     cuda_end: Any
-    written: bool
 
     def __enter__(self) -> GroupInfo | None:
         t = self._tracker
@@ -372,17 +369,14 @@ class CollectiveTracker:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 o.cuda_end = end
-            if o.record is None:
-                row = None
+            if o.record is None:  # outside a step: leave the open set, and write the row now
+                pending_cuda = getattr(o, "cuda_end", None) is not None
                 with self._lock:
                     self._live.discard(o)
-                    if getattr(o, "cuda_end", None) is not None:
+                    if pending_cuda:
                         self._late.append(o)  # written by `drain` once its events completed
-                    else:
-                        row = self._row(o)
-                        self._errors.pop(o, None)
-                if row is not None:
-                    self._append_row(row)  # outside the lock: a sink may take its own lock, and call `drain`
+                if not pending_cuda:
+                    self._append_row(self._final_row(o, None))  # outside the lock: a sink may take its own
             if exc is not None:
                 self._on_error(exc, o)
         except Exception as internal:
@@ -392,7 +386,7 @@ class CollectiveTracker:
         """The `collectives` row of an entered operation, as it stands (in flight if it has not exited)."""
         record = o.record
         if record is not None:
-            offset, step, seq = record.start_wall_ns - record.start_mono_ns, record.step, o.seq
+            offset, step, seq = record.wall_offset_ns, record.step, o.seq
         else:
             offset, step, seq = o.wall_offset, -1, -1
         g = o.group
@@ -406,9 +400,13 @@ class CollectiveTracker:
             device_ns, status, error,
         )
 
-    def _forget_error(self, o: _Open) -> None:
-        with self._lock:
-            self._errors.pop(o, None)
+    def _final_row(self, o: _Open, device_ns: int | None) -> Row:
+        """The row of an exited operation, written once: its error text is not kept past it."""
+        row = self._row(o, device_ns)
+        if self._errors:
+            with self._lock:
+                self._errors.pop(o, None)
+        return row
 
     def _device_ns(self, o: _Open, *, wait: bool) -> tuple[bool, int | None]:
         """(ready, device ns) of an exited operation: CUDA ones are ready once their end event completed."""
@@ -442,9 +440,7 @@ class CollectiveTracker:
                 continue
             ready, device_ns = self._device_ns(o, wait=wait)
             if ready:
-                rows.append(self._row(o, device_ns))
-                if self._errors:
-                    self._forget_error(o)
+                rows.append(self._final_row(o, device_ns))
             else:
                 keep.append(o)
         if current is not None:
@@ -457,9 +453,7 @@ class CollectiveTracker:
                 ready, device_ns = self._device_ns(o, wait=False)
                 if not ready:
                     break
-                rows.append(self._row(o, device_ns))
-                if self._errors:
-                    self._forget_error(o)
+                rows.append(self._final_row(o, device_ns))
                 i += 1
             current.written = i
         if keep:

@@ -42,7 +42,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from rankwatch.collector.collectives import CollectiveTracker, GroupInfo, StepRecord, _alloc, _Open, _payload, _Tensor
+from rankwatch.collector.collectives import CollectiveTracker, GroupInfo, StepRecord, _alloc, _make, _Open, _Tensor
 from rankwatch.collector.fingerprint import fingerprint
 from rankwatch.collector.gpu import GpuMonitor, GpuSample, GpuSampler
 from rankwatch.collector.schema import CheckpointPhase, EventKind, Table
@@ -412,7 +412,7 @@ class Collector:
         phases: list[Row] = []
         rank = self.rank
         for record in done:
-            step, offset = record.step, record.start_wall_ns - record.start_mono_ns
+            step, offset = record.step, record.wall_offset_ns
             if not record.failed:
                 steps.append(self._step_row(record))
             if record.phases:
@@ -424,7 +424,7 @@ class Collector:
         start_mono, end_mono = record.start_mono_ns, record.end_mono_ns
         assert end_mono is not None
         duration = end_mono - start_mono
-        wait, _ = record.waits()
+        wait = record.waits()
         dataloader_wait, checkpoint = record.dataloader_wait_ns, record.checkpoint_ns
         compute = max(0, duration - wait - dataloader_wait - checkpoint)
         loss = record.loss
@@ -435,7 +435,7 @@ class Collector:
             grad_norm = sum(float(sq) * factor for sq, factor in record.grad_sq) ** 0.5
         finite = (loss is None or math.isfinite(loss)) and (grad_norm is None or math.isfinite(grad_norm))
         return (
-            self.rank, record.step, self.attempt, record.start_wall_ns, end_mono + record.start_wall_ns - start_mono,
+            self.rank, record.step, self.attempt, record.start_wall_ns, end_mono + record.wall_offset_ns,
             start_mono, end_mono, duration, compute, wait, dataloader_wait, checkpoint, record.seq,
             loss, grad_norm, finite, record.data_position,
         )
@@ -481,14 +481,12 @@ class Collector:
         peer: int | None = None,
     ) -> Any:
         """Context manager timing the blocking collective issued in its body."""
-        o: _Open = _alloc(_Open)  # `collectives._make`, inlined: this runs per collective
         t = self.tracker
+        if type(tensor) is not _Tensor:  # a list, None, a Tensor subclass: the general path
+            return _make(t, op, group, tensor, peer, False)
+        o: _Open = _alloc(_Open)  # `collectives._make` for a plain tensor, inlined: this runs per collective
         o._tracker, o.op, o._group_obj, o.peer, o.async_op = t, op, group, peer, False
-        if type(tensor) is _Tensor:
-            o.nbytes, o.dtype, o._cuda_tensor = tensor.nbytes, tensor.dtype, t._cuda and tensor.is_cuda
-        else:
-            o.nbytes, o.dtype = _payload(tensor)
-            o._cuda_tensor = t._cuda and isinstance(tensor, _Tensor) and tensor.is_cuda
+        o.nbytes, o.dtype, o._cuda_tensor = tensor.nbytes, tensor.dtype, t._cuda and tensor.is_cuda
         return o
 
     def ddp_comm_hook(self, group: Any = None, *, before: Callable[[GroupInfo], None] | None = None) -> Any:
