@@ -187,6 +187,8 @@ def test_config_validation() -> None:
         CollectorConfig(run_dir=Path("."), flush_interval_s=0)
     with pytest.raises(ValueError, match="fingerprint_every"):
         CollectorConfig(run_dir=Path("."), fingerprint_every=-1)
+    with pytest.raises(ValueError, match="max_pending_steps must be >= 2, got 1"):
+        CollectorConfig(run_dir=Path("."), max_pending_steps=1)
 
 
 @pytest.mark.timeout(60)
