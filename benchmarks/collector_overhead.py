@@ -42,6 +42,14 @@ Recording cost per collective
 Telemetry volume
     Bytes of all part files under <run>/telemetry of each ON long run, divided by ranks x steps (fixed costs
     such as topology and start/exit events included), median over repeats.
+
+Floors
+    What two pieces of required work cost by themselves, next to the target's budget (1 % of an OFF rank's CPU
+    per step): the pre-all-reduce gradient norm, timed in process as the DDP hook does it (one ``torch.dot`` per
+    bucket right after the averaging division, over a default canary stage's gradients, warm and after 64 MB of
+    other memory traffic), and the part-file writer thread (its CPU per step, as a share of an OFF rank's process
+    CPU, and per part file). Last, from this run's own spread: the largest mean overhead that would still PASS
+    (the interval's upper end at the target), in percent and in µs of CPU per rank-step.
 """
 
 from __future__ import annotations
@@ -105,6 +113,8 @@ class RepeatResult:
     phases_per_rank_step: float
     writer_cpu_us_per_rank_step: float
     """The part-file writer thread's CPU per rank-step over the whole ON run (each rank's exit event says it)."""
+    parts_per_rank: float
+    """Rank part files the ON run wrote, per rank (every table; one per table with rows at each flush)."""
     steps_rows: int
     dropped_rows: int
     on_thread_cpu_ms: float
@@ -133,6 +143,19 @@ class MicroResult:
     null_us: float
     memory_sink_all_us: tuple[float, ...]
     parquet_sink_all_us: tuple[float, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GradNormFloor:
+    """What the pre-all-reduce gradient norm costs by itself: one dot product per DDP bucket, taken right after
+    DDP's averaging division as the hook does, over a default canary stage's gradients (thread CPU, µs a step)."""
+
+    grad_bytes: int
+    buckets: int
+    warm_us: float
+    """Median with the gradients in cache (a quiet process)."""
+    evicted_us: float
+    """Median after 64 MB of other memory traffic before each step's buckets (what a busy rank sees)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,6 +205,7 @@ class Report:
     bottom_up_pct_of_thread_cpu: float
     """That work as a percentage of the OFF training thread's CPU per step (median over repeats): what the
     collector's calls would add to a rank that had a core to itself, measured warm."""
+    grad_norm: GradNormFloor
     target_pct: float
     verdict: str
 
@@ -366,12 +390,12 @@ def _self_timed_ms(run_dir: Path, *, warmup: int, steps: int) -> float | None:
     return None if rows[0][0] is None else float(rows[0][0]) / 1e6
 
 
-def _telemetry(run_dir: Path, *, ranks: int, steps: int) -> tuple[int, dict[str, int], float, int, int, float, float]:
+def _telemetry(run_dir: Path, *, ranks: int, steps: int) -> tuple[int, dict[str, int], float, int, int, float, float, float]:
     """(total bytes, bytes per table, collectives per rank-step, steps rows, dropped rows, phases per rank-step,
-    part-file writer CPU µs per rank-step (from each rank's exit event)) of one ON run."""
+    part-file writer CPU µs per rank-step (from each rank's exit event), rank part files per rank) of one ON run."""
     from rankwatch.analytics.store import connect, table_summaries
     from rankwatch.collector.collector import WRITER_CPU_PREFIX
-    from rankwatch.collector.schema import Events, EventKind, Table
+    from rankwatch.collector.schema import PARTITION_KEY, TELEMETRY_DIR, Events, EventKind, Table
 
     summaries = table_summaries(run_dir)
     by_table = {str(s.table): s.bytes for s in summaries}
@@ -387,6 +411,7 @@ def _telemetry(run_dir: Path, *, ranks: int, steps: int) -> tuple[int, dict[str,
     ).fetchall()
     writer_ms = [float(m.removeprefix(WRITER_CPU_PREFIX).removesuffix(" ms")) for (m,) in exits]
     writer_us = statistics.mean(writer_ms) * 1e3 / steps if writer_ms else math.nan
+    parts = sum(1 for _ in (run_dir / TELEMETRY_DIR).glob(f"*/{PARTITION_KEY}=*/part-*.parquet"))
     return (
         sum(by_table.values()),
         by_table,
@@ -395,6 +420,7 @@ def _telemetry(run_dir: Path, *, ranks: int, steps: int) -> tuple[int, dict[str,
         int(dropped[0]) if dropped else 0,
         rows[Table.PHASES] / (ranks * steps),
         writer_us,
+        parts / ranks,
     )
 
 
@@ -417,7 +443,8 @@ def _run_repeats(args: argparse.Namespace, root: Path) -> tuple[list[LaunchTimin
                                  f"(need {MIN_WINDOW_STEPS}; more --steps?)")
         on, off = arms[ON], arms[OFF]
         on_run = root / f"r{r}-on"
-        total, by_table, coll, steps_rows, dropped, phases, writer_us = _telemetry(on_run, ranks=ranks, steps=args.steps)
+        total, by_table, coll, steps_rows, dropped, phases, writer_us, parts = _telemetry(
+            on_run, ranks=ranks, steps=args.steps)
         if steps_rows != ranks * args.steps:
             print(f"  warning: {on_run}: {steps_rows} step rows, expected {ranks * args.steps}", file=sys.stderr)
         result = RepeatResult(
@@ -438,6 +465,7 @@ def _run_repeats(args: argparse.Namespace, root: Path) -> tuple[list[LaunchTimin
             collectives_per_rank_step=coll,
             phases_per_rank_step=phases,
             writer_cpu_us_per_rank_step=writer_us,
+            parts_per_rank=parts,
             steps_rows=steps_rows,
             dropped_rows=dropped,
             on_thread_cpu_ms=on.thread_cpu_ms,
@@ -623,6 +651,51 @@ def _synthetic_step_us_run(*, collectives: int, phases: int, steps: int, layout:
     return statistics.median(on_us[1:]), statistics.median(off_us[1:])
 
 
+def _grad_norm_floor(*, layout: str, nproc: int, steps: int = 60) -> GradNormFloor:
+    """The gradient norm's own cost, as the collector's DDP hook pays it: per bucket (DDP's first bucket is 1 MB,
+    later ones up to 25 MB), the averaging division (not timed: DDP does it with the collector off too), then
+    ``torch.dot`` of the bucket with itself (timed, thread CPU), over a default canary stage's gradients, on the
+    canary's thread count. Once warm, once with 64 MB of other memory traffic before each step's buckets."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from rankwatch.trainer.canary import CanaryConfig
+    from rankwatch.trainer.model import ModelConfig, Stage
+    from rankwatch.trainer.parallel import Layout
+
+    lay = Layout.parse(layout, nproc=nproc)
+    stage = Stage(ModelConfig(), seed=0, pp=0, pp_size=lay.pp, tp=0, tp_size=lay.tp)
+    numel = sum(p.numel() for p in stage.parameters())
+    flat = torch.randn(numel)
+    first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024) // flat.element_size()
+    rest = 25 * 1024 * 1024 // flat.element_size()
+    buckets = [flat[:first], *flat[first:].split(rest)] if numel > first else [flat]
+    other = torch.zeros(16 * 1024 * 1024)  # 64 MB: more than the last-level cache of most hosts
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(next(f.default for f in dataclasses.fields(CanaryConfig) if f.name == "threads")))  # type: ignore[arg-type]
+
+    def step(evict: bool) -> float:
+        if evict:
+            other.add_(1.0)
+        spent = 0
+        for b in buckets:
+            b.div_(1.0)
+            start = time.thread_time_ns()
+            torch.dot(b, b)
+            spent += time.thread_time_ns() - start
+        return spent / 1e3
+
+    try:
+        warm = [step(False) for _ in range(steps)]
+        evicted = [step(True) for _ in range(steps)]
+    finally:
+        torch.set_num_threads(threads)
+    return GradNormFloor(grad_bytes=numel * flat.element_size(), buckets=len(buckets),
+                         warm_us=statistics.median(warm[5:]), evicted_us=statistics.median(evicted[5:]))
+
+
 # ----------------------------------------------------------------------------------------- reporting
 
 
@@ -717,7 +790,36 @@ def _print_report(rep: Report) -> None:
           f"{rep.bottom_up_pct:.3f} % of the OFF step, {rep.bottom_up_pct_of_thread_cpu:.2f} % of its training "
           "thread's CPU (synthetic step, warm: the canary's calls with no training work, ON minus NullCollector)")
     print()
+    _print_floors(rep)
+    print()
     print(f"verdict: {rep.verdict}")
+
+
+def _print_floors(rep: Report) -> None:
+    """What two pieces of required work cost by themselves, next to the target's budget: the gradient norm (one
+    read of the gradients every step) and the part files (one per table with rows at every flush, so the live
+    fail-stop analysis sees each rank within a few heartbeats)."""
+    thread_us = statistics.median(r.off_thread_cpu_ms for r in rep.per_repeat) * 1e3
+    process_us = statistics.median(r.off_process_cpu_ms for r in rep.per_repeat) * 1e3
+    writer_us = statistics.median(r.writer_cpu_us_per_rank_step for r in rep.per_repeat)
+    parts = statistics.median(r.parts_per_rank for r in rep.per_repeat)
+    g = rep.grad_norm
+    print(f"floors: required work alone, against the target's budget ({rep.target_pct:g} % of an OFF rank's CPU per "
+          f"step = {process_us * rep.target_pct / 100:.0f} µs, of its training thread's = "
+          f"{thread_us * rep.target_pct / 100:.0f} µs)")
+    print(f"  gradient norm, one dot per DDP bucket after the averaging division ({g.grad_bytes / 1e6:.2f} MB in "
+          f"{g.buckets} bucket(s), in process): {g.warm_us:.0f} µs warm, {g.evicted_us:.0f} µs after other memory "
+          f"traffic = {g.warm_us / thread_us * 100:.2f}–{g.evicted_us / thread_us * 100:.2f} % of the OFF training "
+          "thread's CPU per step")
+    print(f"  part files, {parts:.0f} per rank in the ON run: the writer thread's {writer_us:.0f} µs a step = "
+          f"{writer_us / process_us * 100:.2f} % of an OFF rank's process CPU per step, "
+          f"{writer_us * rep.steps / parts / 1e3:.2f} ms of writer CPU per part (rows built in it)")
+    o = rep.overhead
+    if o.n >= 2:
+        # the largest mean that still PASSes with this run's spread: its interval's upper end at the target
+        room = rep.target_pct - _t_quantile(0.975, o.n - 1) * o.sd / math.sqrt(o.n)
+        print(f"  this run's spread (sd {o.sd:.2f} % per repeat, {o.n} repeats): a PASS needs a mean overhead of at most "
+              f"{room:+.2f} %, about {max(room, 0.0) / 100 * process_us:.0f} µs of CPU per rank-step")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -776,6 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     step_on_us, step_off_us = _synthetic_step_us(
         collectives=round(coll_per_step), phases=round(phases_per_step), steps=500, layout=args.layout, nproc=args.nproc
     )
+    grad_norm = _grad_norm_floor(layout=args.layout, nproc=args.nproc)
 
     on = statistics.median(r.on_ms for r in results)
     off = statistics.median(r.off_ms for r in results)
@@ -813,6 +916,7 @@ def main(argv: list[str] | None = None) -> int:
         bytes_per_rank_step_max=max(per_rank_step),
         micro=micro,
         collective_cost_pct_of_step=coll_per_step * micro.parquet_sink_us / (step_ms * 1e3) * 100,
+        grad_norm=grad_norm,
         target_pct=TARGET_PCT,
         thread_cpu_overhead=t_interval(
             [(r.on_thread_cpu_ms - r.off_thread_cpu_ms) / r.off_thread_cpu_ms * 100 for r in results]
