@@ -681,7 +681,7 @@ def _grad_norm_floor(*, layout: str, nproc: int, steps: int = 60) -> GradNormFlo
             other.add_(1.0)
         spent = 0
         for b in buckets:
-            b.div_(1.0)
+            b.div_(1.0)  # the averaging pass's memory traffic; by 1.0 so that repeats never reach subnormals
             start = time.thread_time_ns()
             torch.dot(b, b)
             spent += time.thread_time_ns() - start
