@@ -63,8 +63,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -570,6 +570,34 @@ def _micro(n: int, batches: int) -> MicroResult:
     )
 
 
+@contextmanager
+def _canary_threads() -> Iterator[None]:
+    """Run the body on the canary's torch thread count, as its ranks do: multi-threaded kernels on a shared machine
+    spin far more CPU than they use (the gradient-norm dot product: ~50 µs on 1 thread, ms on 2 here)."""
+    import dataclasses
+
+    import torch
+
+    from rankwatch.trainer.canary import CanaryConfig
+
+    canary = int(next(f.default for f in dataclasses.fields(CanaryConfig) if f.name == "threads"))  # type: ignore[arg-type]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(canary)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _default_stage(layout: str, nproc: int) -> Any:
+    """Rank 0's stage of a default-size canary model under `layout`."""
+    from rankwatch.trainer.model import ModelConfig, Stage
+    from rankwatch.trainer.parallel import Layout
+
+    lay = Layout.parse(layout, nproc=nproc)
+    return Stage(ModelConfig(), seed=0, pp=0, pp_size=lay.pp, tp=0, tp_size=lay.tp)
+
+
 def _synthetic_step_us(*, collectives: int, phases: int, steps: int, layout: str, nproc: int) -> tuple[float, float]:
     """Collector work of one canary rank-step, bottom-up, in µs: (ON, OFF).
 
@@ -579,19 +607,8 @@ def _synthetic_step_us(*, collectives: int, phases: int, steps: int, layout: str
     its gradients, with a started Collector on a ParquetSink (writer, heartbeat and replay-GPU threads live),
     against the same loop on the NullCollector, on the thread's CPU clock. No training work runs, so machine noise
     has little to hide in."""
-    import dataclasses
-
-    import torch
-
-    from rankwatch.trainer.canary import CanaryConfig
-
-    canary_threads = int(next(f.default for f in dataclasses.fields(CanaryConfig) if f.name == "threads"))  # type: ignore[arg-type]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(canary_threads)  # as in the canary's ranks: multi-threaded kernels on a shared machine
-    try:  # spin far more CPU than they use (the gradient-norm dot product: ~50 µs on 1 thread, ms on 2 here)
+    with _canary_threads():
         return _synthetic_step_us_run(collectives=collectives, phases=phases, steps=steps, layout=layout, nproc=nproc)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _synthetic_step_us_run(*, collectives: int, phases: int, steps: int, layout: str, nproc: int) -> tuple[float, float]:
@@ -602,11 +619,8 @@ def _synthetic_step_us_run(*, collectives: int, phases: int, steps: int, layout:
     from rankwatch.collector.gpu import ReplaySampler
     from rankwatch.collector.null import NullCollector
     from rankwatch.collector.schema import GroupKind
-    from rankwatch.trainer.model import ModelConfig, Stage
-    from rankwatch.trainer.parallel import Layout
 
-    lay = Layout.parse(layout, nproc=nproc)
-    stage = Stage(ModelConfig(), seed=0, pp=0, pp_size=lay.pp, tp=0, tp_size=lay.tp)
+    stage = _default_stage(layout, nproc)
     opt = torch.optim.AdamW(stage.parameters())
     for p in stage.parameters():
         p.grad = torch.ones_like(p)
@@ -656,25 +670,15 @@ def _grad_norm_floor(*, layout: str, nproc: int, steps: int = 60) -> GradNormFlo
     later ones up to 25 MB), the averaging division (not timed: DDP does it with the collector off too), then
     ``torch.dot`` of the bucket with itself (timed, thread CPU), over a default canary stage's gradients, on the
     canary's thread count. Once warm, once with 64 MB of other memory traffic before each step's buckets."""
-    import dataclasses
-
     import torch
     import torch.distributed as dist
 
-    from rankwatch.trainer.canary import CanaryConfig
-    from rankwatch.trainer.model import ModelConfig, Stage
-    from rankwatch.trainer.parallel import Layout
-
-    lay = Layout.parse(layout, nproc=nproc)
-    stage = Stage(ModelConfig(), seed=0, pp=0, pp_size=lay.pp, tp=0, tp_size=lay.tp)
-    numel = sum(p.numel() for p in stage.parameters())
+    numel = sum(p.numel() for p in _default_stage(layout, nproc).parameters())
     flat = torch.randn(numel)
     first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024) // flat.element_size()
     rest = 25 * 1024 * 1024 // flat.element_size()
     buckets = [flat[:first], *flat[first:].split(rest)] if numel > first else [flat]
     other = torch.zeros(16 * 1024 * 1024)  # 64 MB: more than the last-level cache of most hosts
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(next(f.default for f in dataclasses.fields(CanaryConfig) if f.name == "threads")))  # type: ignore[arg-type]
 
     def step(evict: bool) -> float:
         if evict:
@@ -687,11 +691,9 @@ def _grad_norm_floor(*, layout: str, nproc: int, steps: int = 60) -> GradNormFlo
             spent += time.thread_time_ns() - start
         return spent / 1e3
 
-    try:
+    with _canary_threads():
         warm = [step(False) for _ in range(steps)]
         evicted = [step(True) for _ in range(steps)]
-    finally:
-        torch.set_num_threads(threads)
     return GradNormFloor(grad_bytes=numel * flat.element_size(), buckets=len(buckets),
                          warm_us=statistics.median(warm[5:]), evicted_us=statistics.median(evicted[5:]))
 
@@ -817,7 +819,7 @@ def _print_floors(rep: Report) -> None:
     o = rep.overhead
     if o.n >= 2:
         # the largest mean that still PASSes with this run's spread: its interval's upper end at the target
-        room = rep.target_pct - _t_quantile(0.975, o.n - 1) * o.sd / math.sqrt(o.n)
+        room = rep.target_pct - (o.high - o.mean)
         print(f"  this run's spread (sd {o.sd:.2f} % per repeat, {o.n} repeats): a PASS needs a mean overhead of at most "
               f"{room:+.2f} %, about {max(room, 0.0) / 100 * process_us:.0f} µs of CPU per rank-step")
 
