@@ -152,7 +152,7 @@ def _print_recovery(cfg: CanaryConfig) -> None:
 
 def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = None, anomaly: bool = True,
                  progress: bool = True) -> int:
-    from rankwatch.analytics.analyze import AnalysisConfig, analyze, render_incidents, write_analysis
+    from rankwatch.analytics.analyze import ANALYSIS_DIR, AnalysisConfig, analyze, render_incidents, write_analysis
     from rankwatch.analytics.incidents import to_json
 
     def say(msg: str) -> None:
@@ -162,7 +162,12 @@ def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = N
     analysis = analyze(run_dir, config=AnalysisConfig(window_steps=window, anomaly=anomaly), progress=say)
     for w in analysis.warnings:
         print(f"rankwatch analyze: warning: {w}", file=sys.stderr)
-    pq_path, js_path = write_analysis(analysis)
+    try:
+        saved: tuple[Path, Path] | None = write_analysis(analysis)
+    except OSError as exc:  # a full disk: the answer is still printed, only not saved
+        saved = None
+        print(f"rankwatch analyze: warning: could not save the analysis under {run_dir / ANALYSIS_DIR} "
+              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", file=sys.stderr)
     if as_json:
         print(to_json(analysis.incidents))
         return 0
@@ -170,7 +175,8 @@ def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = N
     print(f"rankwatch analyze: {run_dir}: {analysis.ranks} ranks, steps {analysis.first_step}..{analysis.last_step}, "
           f"{len(analysis.incidents)} incident(s) in {took:.1f}s")
     print(render_incidents(analysis.incidents))
-    print(f"written: {pq_path} and {js_path.name}")
+    if saved is not None:
+        print(f"written: {saved[0]} and {saved[1].name}")
     return 0
 
 

@@ -226,15 +226,23 @@ def incidents_table(incidents: Sequence[Incident]) -> pa.Table:
 
 
 def write_incidents(incidents: Sequence[Incident], out_dir: Path) -> tuple[Path, Path]:
-    """Write `incidents.parquet` and `incidents.json` into `out_dir`, each under a temporary name then renamed."""
+    """Write `incidents.parquet` and `incidents.json` into `out_dir`, each under a temporary name then renamed.
+    A failed write (OSError: a full disk) leaves no temporary file, nor the folder where it made one."""
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     pq_path, js_path = out_dir / "incidents.parquet", out_dir / "incidents.json"
     tmp = pq_path.with_suffix(".parquet.tmp")
-    pq.write_table(incidents_table(incidents), tmp)
-    tmp.replace(pq_path)
-    tmp = js_path.with_suffix(".json.tmp")
-    tmp.write_text(to_json(incidents))
-    tmp.replace(js_path)
+    try:
+        pq.write_table(incidents_table(incidents), tmp)
+        tmp.replace(pq_path)
+        tmp = js_path.with_suffix(".json.tmp")
+        tmp.write_text(to_json(incidents))
+        tmp.replace(js_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
     return pq_path, js_path
 
 

@@ -214,6 +214,7 @@ class Collector:
         self._gpu_monitor: GpuMonitor | None = None
         self._prev_sigterm: Any = None
         self._reported_drops = 0
+        self._reported_write_errors = 0
         self._append_phase = self.sink.appender(Table.PHASES)
         self._add_phase: Callable[[_Phase], None] = self._loose_phase
         """Where a finished phase goes: the step in progress's list, or straight to the sink outside a step."""
@@ -273,7 +274,7 @@ class Collector:
             self._final = True  # the last drains wait for outstanding CUDA events
             self._report_drops()
             writer_ns = getattr(self.sink, "writer_cpu_ns", None)  # the collector's own background cost, so far
-            self.event(EventKind.EXIT, exit_code=exit_code,
+            self.event(EventKind.EXIT, exit_code=exit_code, dropped_rows=sum(self.dropped.values()),
                        message=None if writer_ns is None else f"{WRITER_CPU_PREFIX}{writer_ns / 1e6:.1f} ms")
             self.sink.close(timeout_s=10.0)
             if self.gpu_sampler is not None:
@@ -617,10 +618,18 @@ class Collector:
         return total
 
     def _report_drops(self) -> None:
+        """Record new drops (a DROPS event with the running total) and new failed writes (a WARNING: the rows are
+        kept and retried, so a full disk costs rows only once the bounded buffers overflow)."""
         total = sum(self.dropped.values())
+        errors, last = self.sink.write_errors, self.sink.last_write_error
         if total != self._reported_drops:
             self._reported_drops = total
-            self.event(EventKind.DROPS, dropped_rows=total, message="writer fell behind; rows dropped")
+            why = "writer fell behind" if not errors else f"writes failing ({errors} so far, last: {last})"
+            self.event(EventKind.DROPS, dropped_rows=total, message=f"{why}; rows dropped")
+        if errors != self._reported_write_errors:
+            self._reported_write_errors = errors
+            self.event(EventKind.WARNING, dropped_rows=total,
+                       message=f"telemetry writes failed {errors} time(s), retried at each flush; last: {last}")
 
     def _emit_gpu(self, sample: GpuSample) -> None:
         current = self._current

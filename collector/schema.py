@@ -213,6 +213,9 @@ class EventKind(StrEnum):
     DROPS = "drops"
     RECOVERY = "recovery"
     """A recovery step: the checkpoint a resume chose (and why), a consistency-gate outcome."""
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    """A save that committed nothing: which rank failed and how, and what became of its partial files (removed,
+    bytes freed) — the description of a partial that is not kept."""
 
 
 class CollectiveStatus(StrEnum):
@@ -513,7 +516,7 @@ COLUMNS: dict[Table, tuple[ColumnSpec, ...]] = {
         _c(Events.ATTEMPT, _I32, "", _ATTEMPT_DOC),
         _c(Events.WALL_NS, _I64, "ns", "wall clock of the event"),
         _c(Events.MONO_NS, _I64, "ns", "monotonic clock of the event"),
-        _c(Events.KIND, _STR, "", "start | heartbeat | exception | signal | exit | warning | drops | recovery (schema.EventKind)"),
+        _c(Events.KIND, _STR, "", "start | heartbeat | exception | signal | exit | warning | drops | recovery | checkpoint_failed (schema.EventKind)"),
         _c(Events.STEP, _I64, "step", "step in progress or last completed (null before the first)", True),
         _c(Events.PHASE, _STR, "", "phase in progress", True),
         _c(Events.EXC_TYPE, _STR, "", "exception type (exception events)", True),
@@ -523,7 +526,7 @@ COLUMNS: dict[Table, tuple[ColumnSpec, ...]] = {
         _c(Events.COLLECTIVE_SEQ, _I64, "", "its group_seq", True),
         _c(Events.SIGNAL, _I32, "", "signal number (signal events)", True),
         _c(Events.EXIT_CODE, _I32, "", "exit code (exit events)", True),
-        _c(Events.DROPPED_ROWS, _I64, "count", "rows the collector dropped so far because its writer fell behind", True),
+        _c(Events.DROPPED_ROWS, _I64, "count", "rows the collector dropped so far: its writer fell behind, or writes kept failing (a full disk)", True),
     ),
     Table.TOPOLOGY: (
         _c(Topology.RANK, _I32, "", _RANK_DOC),

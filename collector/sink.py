@@ -5,6 +5,12 @@ per-table buffers that a background thread turns into parquet part files. A part
 hidden temporary name and renamed into place, so a reader (or a post-mortem after SIGKILL) only ever sees
 complete files. When the writer falls behind, new rows of a full buffer are dropped and counted — low
 priority tables (GPU samples, phases) have smaller buffers, so they are dropped first.
+
+A write that fails (a full disk: ENOSPC) removes its temporary file, puts its rows back in front of their buffer
+(as far as the bound allows; the rest are dropped and counted) and is retried at every flush, so the rows land once
+space frees. Evidence tables are written before low-priority ones, each table's part on its own: what fits is
+written. `close` keeps retrying for `SinkConfig.close_retry_s`; rows it still cannot write are counted as dropped
+and named in a warning on stderr, the one record left when not even the events table can be written.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class SinkConfig:
     where host rollups (zstd) merge them."""
     fsync: bool = False
     """fsync each part before the rename: survives a host crash, not only a process kill. Costs I/O."""
+    close_retry_s: float = 2.0
+    """Seconds `close` keeps retrying writes that failed (a full disk may free up, e.g. once a failed checkpoint's
+    partial files are removed) before the rows still buffered are counted as dropped."""
 
     def __post_init__(self) -> None:
         if self.flush_interval_s <= 0:
@@ -66,6 +75,8 @@ class SinkConfig:
             raise ValueError("max_buffered_rows and low_priority_max_rows must be >= 1")
         if self.rows_per_part < 1:
             raise ValueError(f"rows_per_part must be >= 1, got {self.rows_per_part}")
+        if self.close_retry_s < 0:
+            raise ValueError(f"close_retry_s must be >= 0, got {self.close_retry_s}")
 
     def capacity(self, table: Table) -> int:
         return self.low_priority_max_rows if table in LOW_PRIORITY else self.max_buffered_rows
@@ -73,6 +84,11 @@ class SinkConfig:
 
 class Sink(ABC):
     """Accepts telemetry rows (tuples in `schema.column_names(table)` order)."""
+
+    write_errors: int = 0
+    """Writes that failed so far (each retried; a sink without files never fails one)."""
+    last_write_error: str | None = None
+    """One line on the latest failed write."""
 
     @abstractmethod
     def append(self, table: Table, row: Row) -> None:
@@ -225,6 +241,10 @@ class ParquetSink(Sink):
         self._snapshot: SnapshotFn | None = None
         self._source: SourceFn | None = None
         self.write_errors = 0
+        self.last_write_error: str | None = None
+        self._failing = 0
+        """Consecutive flushes with a failed write (0 = the last one wrote everything)."""
+        self._logged = False
         self.parts_written = 0
         self.bytes_written = 0
         self.writer_cpu_ns = 0
@@ -306,6 +326,19 @@ class ParquetSink(Sink):
         self._closed = True  # from here on appends are counted as dropped
         if self._thread is None or not self._thread.is_alive():
             self._write_once()  # rows appended while the writer was stopping
+            deadline = time.monotonic() + self._config.close_retry_s
+            while self._failing and self.buffered_rows() and time.monotonic() < deadline:
+                time.sleep(min(0.2, self._config.close_retry_s))  # a full disk may free up
+                self._write_once()
+            lost = self.buffered_rows()
+            if lost:  # the events table may be unwritable too: stderr is the record of these
+                with self._lock:
+                    for table, buf in self._buffers.items():
+                        self._dropped[table] += len(buf)
+                        buf.clear()
+                log.warning("rankwatch sink rank %d: %d row(s) could not be written and are dropped (%d failed "
+                            "writes, last: %s); %d row(s) dropped in all", self._rank, lost, self.write_errors,
+                            self.last_write_error, sum(self._dropped.values()))
         else:
             with self._lock:  # the writer is stuck: what it will never write is lost, and counted
                 for table, buf in self._buffers.items():
@@ -349,12 +382,22 @@ class ParquetSink(Sink):
                     batches.setdefault(table, []).append(row)
             except Exception as exc:  # a broken snapshot must not stop the writer
                 self._count_error(f"snapshot: {type(exc).__name__}: {exc}")
-        for table, rows in batches.items():
+        failed = 0
+        for table in sorted(batches, key=lambda t: t in LOW_PRIORITY):  # evidence first: on a full disk it fits first
+            rows = batches[table]
             try:
                 self._write_part(table, rows)
             except Exception as exc:
+                failed += 1
                 self._count_error(f"{table}: {type(exc).__name__}: {exc}")
                 self._requeue(table, rows)
+        if failed:
+            self._failing += 1
+        elif self._failing:
+            log.warning("rankwatch sink rank %d: writing again after %d failed flush(es) (%d failed writes)",
+                        self._rank, self._failing, self.write_errors)
+            self._failing = 0
+            self._logged = False
 
     def _requeue(self, table: Table, rows: list[Row]) -> None:
         """Put rows that failed to write back in front of the buffer, as far as the bound allows."""
@@ -367,7 +410,9 @@ class ParquetSink(Sink):
 
     def _count_error(self, what: str) -> None:
         self.write_errors += 1
-        if self.write_errors == 1:
+        self.last_write_error = what.splitlines()[0][:300] if what else what
+        if not self._failing and not self._logged:  # once per spell of failures
+            self._logged = True
             log.warning("rankwatch sink rank %d: write failed (%s); retrying at the next flush", self._rank, what)
 
     def _part_number(self, table: Table, directory: Path) -> int:

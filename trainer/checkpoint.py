@@ -12,10 +12,13 @@ Save (collective over the world group), for checkpoint ``step-XXXXXXXX`` under `
 4. the outcome is all-gathered, so every rank returns the same `SaveResult`; after a commit rank 0 prunes
    committed checkpoints beyond `keep_last`.
 
-Failure semantics: an I/O error on any rank (ENOSPC included) publishes nothing, leaves older checkpoints intact,
-removes the temporary files, records a warning event on every rank and returns ``ok=False`` — training may go
-on. A communication error (a dead peer) propagates: the ranks can no longer agree on anything. A killed save
-leaves at most a ``.tmp`` directory, which the catalog reports as PARTIAL and never chooses.
+Failure semantics: an I/O error on any rank (ENOSPC included, and DCP's `CheckpointException`, which is a
+`BaseException`) publishes nothing, leaves older checkpoints intact, and removes this save's partial files so a full
+disk is freed again; every rank records a ``checkpoint_failed`` event (rank 0's names the files removed and the
+bytes freed: the partial is evidence, never a recovery point, so its description is kept and its bytes are not)
+and returns ``ok=False`` — training goes on (the policy: `CheckpointConfig`). A communication error (a dead peer)
+propagates: the ranks can no longer agree on anything. A killed save leaves at most a ``.tmp`` directory, which
+the catalog reports as PARTIAL and never chooses.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import rankwatch
@@ -159,6 +163,14 @@ class CheckpointFault:
 # -- config and results -----------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
+    """How checkpoints are saved and kept.
+
+    Policy on a failed save (a full disk, any I/O error on any rank): nothing is published, the committed
+    checkpoints stay, this save's partial files are removed at once (a ``checkpoint_failed`` event keeps their
+    description: failing rank, error, files and bytes freed), and training goes on; the next scheduled save tries
+    again. A job never stops because a save failed — it stops only when its process group breaks. The cost: while
+    saves fail, a crash loses the steps since the last committed checkpoint."""
+
     keep_last: int = 3
     """Committed checkpoints to keep; older committed ones are deleted after a new commit. Partial and corrupt
     candidates are never deleted: they are evidence."""
@@ -186,6 +198,8 @@ class SaveResult:
     """"committed", or one line on why not (the first failing rank's error)."""
     pruned: tuple[str, ...] = ()
     """Committed checkpoints deleted by retention (rank 0 only)."""
+    freed_bytes: int = 0
+    """Bytes of partial files a failed save removed (rank 0 only)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -284,8 +298,24 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, CheckpointException) and exc.failures:  # its str is a traceback per rank: name the first cause
+        rank, (cause, _) = min(exc.failures.items(), key=lambda kv: kv[0])
+        return f"{type(exc).__name__}: rank {rank}: {_first_line(cause)}"[:300]
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _tree_size(path: Path) -> tuple[int, int]:
+    """(files, bytes) under `path`; (0, 0) where it does not exist."""
+    files = size = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                size += os.lstat(os.path.join(dirpath, name)).st_size
+                files += 1
+            except OSError:
+                pass
+    return files, size
 
 
 # -- save -------------------------------------------------------------------------------------------------
@@ -319,10 +349,14 @@ def save_checkpoint(
         if fault is not None:
             fault.fire(point, rank=rank, step=step, path=path)
 
+    error: str | None = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # our own temp from a save of this step that died: not evidence of anything committed
-            shutil.rmtree(tmp)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # our own temp from a save of this step that died: not evidence of anything committed
+                shutil.rmtree(tmp)
+        except OSError as exc:  # reported with the write reports below; the ranks still take every collective
+            error = _first_line(exc)
     with collector.collective("barrier", group):
         dist.barrier(group=group)
 
@@ -341,7 +375,6 @@ def save_checkpoint(
         payload = buf.getvalue()
         rec.bytes = len(payload)
 
-    error: str | None = None
     mine: list[Path] = []
     files: list[ShardFile] = []
     dcp_dir = tmp / DCP_DIR
@@ -364,8 +397,8 @@ def save_checkpoint(
                 files.append(ShardFile(path=p.relative_to(tmp).as_posix(), size=p.stat().st_size,
                                        sha256=sha256_file(p), rank=rank))
             rec.bytes = sum(f.size for f in files)
-    except Exception as exc:  # an I/O failure here is reported to every rank below, not raised
-        error = _first_line(exc)
+    except (Exception, CheckpointException) as exc:  # an I/O failure here is reported to every rank below, not raised
+        error = error or _first_line(exc)
         collector.event(EventKind.WARNING, exc_type=type(exc).__name__,
                         message=f"checkpoint {ckpt}: rank {rank} failed to write: {error}")
 
@@ -375,23 +408,48 @@ def save_checkpoint(
         dist.all_gather_object(reports, _Report(rank=rank, error=error, files=tuple(files)), group=group)
 
     outcome: tuple[bool, str] | None = None
+    partial = (0, 0)
     if rank == 0:
         outcome = _publish(collector, reports, layout=layout, versions=versions, step=step, tmp=tmp, final=final,
                            fire=fire)
+        if not outcome[0]:
+            partial = _tree_size(tmp)  # before any rank removes its files: what the failed save left
     outcomes: list[Any] = [None] * world
     with collector.collective("all_gather_object", group):
         dist.all_gather_object(outcomes, outcome, group=group)
     ok, reason = outcomes[0]
 
     if not ok:
-        for p in mine:
-            p.unlink(missing_ok=True)
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        collector.event(EventKind.WARNING, message=f"checkpoint {ckpt} not committed: {reason}")
-        return SaveResult(ok=False, checkpoint_id=ckpt, step=step, path=None, reason=reason)
+        return _discard(collector, ckpt=ckpt, step=step, rank=rank, reason=reason, mine=mine, tmp=tmp, partial=partial)
     pruned = _prune(collector, Path(run_dir), config.keep_last) if rank == 0 else ()
     return SaveResult(ok=True, checkpoint_id=ckpt, step=step, path=final, reason="committed", pruned=pruned)
+
+
+def _discard(
+    collector: Any, *, ckpt: str, step: int, rank: int, reason: str, mine: list[Path], tmp: Path,
+    partial: tuple[int, int],
+) -> SaveResult:
+    """Remove what a save that committed nothing wrote, and record what failed and (rank 0) the bytes freed."""
+    for p in mine:
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:
+            pass
+    message = f"checkpoint {ckpt} not committed: {reason}"
+    freed = 0
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        left = _tree_size(tmp)
+        freed = partial[1] - left[1]
+        message += f"; partial {tmp.name} removed: {partial[0] - left[0]} file(s), {freed} bytes freed"
+        if left[0]:
+            message += f", {left[0]} file(s) ({left[1]} bytes) could not be removed"
+        try:
+            message += f"; {shutil.disk_usage(tmp.parent).free} bytes free"
+        except OSError:
+            pass
+    collector.event(EventKind.CHECKPOINT_FAILED, message=message)
+    return SaveResult(ok=False, checkpoint_id=ckpt, step=step, path=None, reason=reason, freed_bytes=freed)
 
 
 def _publish(

@@ -138,7 +138,7 @@ def test_full_disk_on_one_rank_publishes_nothing_and_training_goes_on(
     assert rows(run_dir, "SELECT max(step) FROM steps") == [(5,)]
     # every rank recorded the same outcome; the failing rank also recorded its own error
     who = {"shard": "rank 2", "manifest": "rank 0 publish"}[point]
-    warned = rows(run_dir, "SELECT DISTINCT rank FROM events WHERE kind = 'warning' AND message LIKE "
+    warned = rows(run_dir, "SELECT DISTINCT rank FROM events WHERE kind = 'checkpoint_failed' AND message LIKE "
                            f"'checkpoint step-00000003 not committed: {who}: OSError: [Errno 28] No space left on device%'")
     assert sorted(r for (r,) in warned) == [0, 1, 2, 3]
     failed = rows(run_dir, "SELECT rank, phase, error FROM checkpoint_phases WHERE NOT ok")

@@ -378,3 +378,42 @@ def test_ddp_hook_records_the_local_gradient_norm_before_the_all_reduce(tmp_path
     assert dict(zip(column_names(Table.STEPS), row))[Steps.LOCAL_GRAD_NORM] == pytest.approx(13.0, rel=1e-6)
     ops = _col(Table.COLLECTIVES, sink.rows(Table.COLLECTIVES), Collectives.ASYNC_OP)
     assert ops == [True, True]
+
+
+def test_a_training_thread_crash_on_a_full_disk_keeps_its_rows_for_when_space_frees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rankwatch.collector import sink as sink_mod
+    from rankwatch.collector.sink import ParquetSink, SinkConfig, partition_dir
+
+    real_write, calls = sink_mod.pq.write_table, [0]
+
+    def full_for_a_while(table: object, where: object, **kwargs: object) -> None:
+        calls[0] += 1
+        if calls[0] <= 12:  # the exception's flush and the first close attempts fail: the disk is full
+            raise OSError(28, "No space left on device")
+        real_write(table, where, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sink_mod.pq, "write_table", full_for_a_while)
+    sink = ParquetSink(tmp_path, 0, SinkConfig(flush_interval_s=60.0, close_retry_s=10.0))
+    c = _collector(tmp_path, sink)
+    with pytest.raises(RuntimeError, match="training thread died"):
+        with c:
+            for i in range(3):
+                with c.step(i):
+                    with c.collective("all_reduce", GROUP, torch.zeros(2)):
+                        pass
+            raise RuntimeError("training thread died")
+    assert calls[0] > 12 and sink.write_errors == 12
+
+    def read(table: Table) -> list[dict[str, object]]:
+        return [r for part in sorted(partition_dir(tmp_path, table, 0).glob("part-*.parquet"))
+                for r in pq.read_table(part).to_pylist()]
+
+    assert [r[Steps.STEP] for r in read(Table.STEPS)] == [0, 1, 2]
+    assert len(read(Table.COLLECTIVES)) == 3
+    events = {r[Events.KIND]: r for r in read(Table.EVENTS)}
+    assert events[EventKind.EXCEPTION][Events.EXC_TYPE] == "RuntimeError"
+    assert events[EventKind.EXIT][Events.EXIT_CODE] == 1 and events[EventKind.EXIT][Events.DROPPED_ROWS] == 0
+    assert "telemetry writes failed" in events[EventKind.WARNING][Events.MESSAGE]
+    assert sink.dropped_total == 0

@@ -502,3 +502,95 @@ def test_the_writer_flushes_on_its_own_interval(tmp_path: Path, sinks: list[Parq
     while not _parts(tmp_path, Table.GPU, 0) and time.monotonic() < deadline:
         time.sleep(0.005)
     assert _read(tmp_path, Table.GPU) == _dicts(Table.GPU, [_gpu(0)])
+
+
+# -- a full disk ----------------------------------------------------------------------------------------
+
+
+def _enospc(calls: list[Path], *, failures: int | None = None, real: Any = None) -> Any:
+    """A `pq.write_table` that fails with ENOSPC (the first `failures` calls, or always), recording each target."""
+
+    def write(table: pa.Table, where: Any, **kwargs: Any) -> None:
+        calls.append(Path(where))
+        if failures is None or len(calls) <= failures:
+            raise OSError(28, "No space left on device")
+        real(table, where, **kwargs)
+
+    return write
+
+
+def test_evidence_tables_are_written_before_low_priority_ones(
+    tmp_path: Path, sinks: list[ParquetSink], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(sink_mod.pq, "write_table", _enospc(calls, failures=0, real=sink_mod.pq.write_table))
+    s = _sink(sinks, tmp_path, 0, MANUAL)
+    s.append(Table.GPU, _gpu(0))  # appended first, written last: on a full disk the evidence fits first
+    s.append(Table.EVENTS, _event(0))
+    assert s.flush(timeout_s=10)
+    assert [p.parent.parent.name for p in calls] == [str(Table.EVENTS), str(Table.GPU)]
+    assert LOW_PRIORITY and Table.GPU in LOW_PRIORITY
+
+
+def test_a_full_disk_keeps_rows_until_space_frees_and_says_so(
+    tmp_path: Path, sinks: list[ParquetSink], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(sink_mod.pq, "write_table", _enospc(calls, failures=3, real=sink_mod.pq.write_table))
+    s = _sink(sinks, tmp_path, 0, MANUAL)
+    rows = [_event(i) for i in range(5)]
+    with caplog.at_level("WARNING", logger="rankwatch.collector"):
+        for r in rows[:3]:
+            s.append(Table.EVENTS, r)
+        for _ in range(3):  # three flushes on a full disk: the rows stay buffered, nothing half-written is left
+            assert s.flush(timeout_s=10)
+            assert s.buffered_rows() == 3 and _parts(tmp_path, Table.EVENTS, 0) == [] and _hidden(tmp_path) == []
+        assert s.write_errors == 3 and s.last_write_error is not None and "No space left" in s.last_write_error
+        for r in rows[3:]:
+            s.append(Table.EVENTS, r)
+        assert s.flush(timeout_s=10)  # space freed: everything lands, in order
+    assert _read(tmp_path, Table.EVENTS) == _dicts(Table.EVENTS, rows)
+    assert s.dropped_total == 0
+    logged = [r.getMessage() for r in caplog.records]
+    assert len([m for m in logged if "write failed" in m]) == 1  # once per spell, not once per retry
+    assert any("writing again after 3 failed flush(es)" in m for m in logged), logged
+
+
+def test_close_retries_a_full_disk_then_counts_and_names_the_rows_it_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(sink_mod.pq, "write_table", _enospc(calls))
+    s = ParquetSink(tmp_path, 0, SinkConfig(flush_interval_s=60.0, close_retry_s=0.3))
+    s.start()
+    for i in range(5):
+        s.append(Table.EVENTS, _event(i))
+    s.append(Table.GPU, _gpu(0))
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="rankwatch.collector"):
+        s.close(timeout_s=10)
+    assert 0.3 <= time.monotonic() - t0 < 5
+    assert len(calls) > 4  # the flush, the final write and the retries, two tables each
+    assert s.dropped == {**{t: 0 for t in Table}, Table.EVENTS: 5, Table.GPU: 1}
+    assert s.buffered_rows() == 0 and _hidden(tmp_path) == []
+    assert any("6 row(s) could not be written and are dropped" in r.getMessage() for r in caplog.records)
+
+
+def test_close_writes_the_rows_once_space_frees_within_its_retry_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(sink_mod.pq, "write_table", _enospc(calls, failures=3, real=sink_mod.pq.write_table))
+    s = ParquetSink(tmp_path, 0, SinkConfig(flush_interval_s=60.0, close_retry_s=5.0))
+    s.start()
+    rows = [_event(i) for i in range(4)]
+    for r in rows:
+        s.append(Table.EVENTS, r)
+    s.close(timeout_s=10)
+    assert _read(tmp_path, Table.EVENTS) == _dicts(Table.EVENTS, rows)
+    assert s.dropped_total == 0 and s.write_errors == 3
+
+
+def test_sink_config_rejects_a_negative_close_retry() -> None:
+    with pytest.raises(ValueError, match="close_retry_s"):
+        SinkConfig(close_retry_s=-1.0)

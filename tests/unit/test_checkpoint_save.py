@@ -1,0 +1,93 @@
+"""A failed save in one process (a world of one gloo rank): DCP's CheckpointException is caught, the partial files
+are removed and described in a checkpoint_failed event with the bytes freed, the committed checkpoint stays."""
+
+from __future__ import annotations
+
+import re
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from rankwatch.collector import Collector, CollectorConfig, MemorySink
+from rankwatch.collector.schema import EventKind, Events, Table, column_names
+from rankwatch.trainer import checkpoint as ckpt_mod
+from rankwatch.trainer.catalog import CHECKPOINT_DIR, Verdict, list_checkpoints
+from rankwatch.trainer.checkpoint import CheckpointConfig, SaveResult, current_versions, save_checkpoint
+from rankwatch.trainer.parallel import Layout
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYOUT = Layout(dp=1, tp=1, pp=1)
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[Any]:
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=10))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _save(run_dir: Path, group: Any, sink: MemorySink, step: int) -> SaveResult:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    c = Collector(CollectorConfig(run_dir=run_dir, handle_sigterm=False), rank=0, world_size=1, sink=sink)
+    return save_checkpoint(c, CheckpointConfig(), run_dir=run_dir, step=step, rank=0, layout=LAYOUT, group=group,
+                           model=model, optimizer=torch.optim.AdamW(model.parameters()), data_position=0,
+                           versions=current_versions(object()))
+
+
+def _full_disk_dcp(written: int) -> SimpleNamespace:
+    """A stand-in for torch.distributed.checkpoint whose save writes `written` bytes, then fails as DCP does on a
+    full disk: a CheckpointException (a BaseException) carrying each rank's OSError."""
+
+    def save(state: object, *, storage_writer: Path, process_group: object) -> None:
+        storage_writer.mkdir(parents=True)
+        (storage_writer / "__0_0.distcp").write_bytes(b"\0" * written)
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as exc:
+            raise CheckpointException("save failed", {0: (exc, traceback.extract_tb(exc.__traceback__))}) from None
+
+    return SimpleNamespace(save=save, FileSystemWriter=lambda path, **kw: Path(path))
+
+
+def test_a_checkpoint_exception_is_a_failed_save_that_frees_its_partial(
+    tmp_path: Path, world_of_one: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sink = MemorySink()
+    assert _save(tmp_path, world_of_one, sink, 4).ok
+    monkeypatch.setattr(ckpt_mod, "dcp", _full_disk_dcp(written=300_000))
+    result = _save(tmp_path, world_of_one, sink, 9)
+
+    assert not result.ok and result.path is None
+    assert result.reason == "rank 0: CheckpointException: rank 0: OSError: [Errno 28] No space left on device"
+    assert result.freed_bytes >= 300_000  # the DCP file, and the rank file written beside it
+    assert sorted(p.name for p in (tmp_path / CHECKPOINT_DIR).iterdir()) == ["step-00000004"]
+    assert [(c.step, c.verdict) for c in list_checkpoints(tmp_path, verify=True)] == [(4, Verdict.COMMITTED)]
+    events = [dict(zip(column_names(Table.EVENTS), r)) for r in sink.rows(Table.EVENTS)]
+    (failed,) = [e for e in events if e[Events.KIND] == EventKind.CHECKPOINT_FAILED]
+    message = str(failed[Events.MESSAGE])
+    assert message.startswith(f"checkpoint step-00000009 not committed: {result.reason}; partial .step-00000009.tmp "
+                              "removed: ")
+    m = re.search(r"removed: (\d+) file\(s\), (\d+) bytes freed; (\d+) bytes free", message)
+    assert m is not None and int(m.group(2)) == result.freed_bytes, message
+    assert int(m.group(1)) >= 1
+
+
+def test_the_first_failing_rank_of_a_checkpoint_exception_is_named() -> None:
+    failures: dict[int, Any] = {3: (OSError(28, "No space left on device"), traceback.StackSummary()),
+                                1: (RuntimeError("unexpected pos 704 vs 598\nmore"), traceback.StackSummary())}
+    line = ckpt_mod._first_line(CheckpointException("x", failures))
+    assert line == "CheckpointException: rank 1: RuntimeError: unexpected pos 704 vs 598"
+
