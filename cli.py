@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from rankwatch.trainer.faults import FAULT_HELP
 
 if TYPE_CHECKING:
+    from rankwatch.analytics.analyze import Analysis
     from rankwatch.trainer.canary import CanaryConfig
 
 DEMO_RUN_DIR = Path("runs/demo")
@@ -97,7 +98,10 @@ def _train(args: argparse.Namespace) -> int:
 def _print_summary(run_dir: Path) -> None:
     from rankwatch.analytics.store import table_summaries
 
-    summaries = table_summaries(run_dir)
+    warnings: list[str] = []
+    summaries = table_summaries(run_dir, warnings=warnings)
+    for w in warnings:
+        print(f"rankwatch telemetry: warning: {w}", file=sys.stderr)
     print(f"telemetry: {run_dir.resolve() / 'telemetry'}")
     print(f"  {'table':<18} {'rows':>9} {'ranks':>6} {'files':>6} {'KiB':>8}")
     for s in summaries:
@@ -172,12 +176,23 @@ def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = N
         print(to_json(analysis.incidents))
         return 0
     took = sum(s for _, s in analysis.seconds)
-    print(f"rankwatch analyze: {run_dir}: {analysis.ranks} ranks, steps {analysis.first_step}..{analysis.last_step}, "
+    print(f"rankwatch analyze: {run_dir}: {analysis.ranks} ranks, {_steps_text(analysis)}, "
           f"{len(analysis.incidents)} incident(s) in {took:.1f}s")
     print(render_incidents(analysis.incidents))
     if saved is not None:
         print(f"written: {saved[0]} and {saved[1].name}")
     return 0
+
+
+def _steps_text(analysis: Analysis) -> str:
+    if analysis.first_step < 0:
+        return "no completed step"
+    return f"steps {analysis.first_step}..{analysis.last_step}"
+
+
+def _say_warnings(command: str, warnings: Sequence[str]) -> None:
+    for w in warnings:
+        print(f"rankwatch {command}: warning: {w}", file=sys.stderr)
 
 
 def _analyze(args: argparse.Namespace) -> int:
@@ -203,10 +218,12 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _localize(args: argparse.Namespace) -> int:
-    from rankwatch.analytics.analyze import observe_run
+    from rankwatch.analytics.analyze import input_warnings, observe_run
     from rankwatch.analytics.localize import localize
 
-    observations = [observe_run(r) for r in args.run_dirs]
+    with input_warnings() as warnings:
+        observations = [observe_run(r) for r in args.run_dirs]
+    _say_warnings("localize", warnings)
     verdicts = localize(observations)
     print(f"rankwatch localize: {len(observations)} run(s)")
     if not verdicts:
@@ -226,21 +243,30 @@ def _watch(args: argparse.Namespace) -> int:
     from rankwatch.analytics.analyze import render_incidents
     from rankwatch.analytics.live import LiveAnalyzer, LiveConfig
 
+    from rankwatch.analytics.store import telemetry_dir
+
     live = LiveAnalyzer(args.run_dir, LiveConfig(window_steps=args.window, anomaly=not args.no_anomaly))
     reported: set[str] = set()
+    warned: set[str] = set()
     ticks = 0
+    held = 0
     print(f"rankwatch watch: {args.run_dir}, latest {args.window} steps every {args.every:g}s (Ctrl-C to stop)")
     while True:
         new_parts = live.refresh()
-        for w in live.warnings:
-            print(f"rankwatch watch: warning: {w}", file=sys.stderr)
+        held += new_parts
+        _say_warnings("watch", live.warnings)
         live.warnings.clear()
+        if not held and not ticks:
+            _say_warnings("watch", [f"{telemetry_dir(args.run_dir)}: no telemetry part file read yet — "
+                                    "nothing to analyze (still waiting for the run's first flush?)"])
         if new_parts:
             analysis = live.analyze()
+            _say_warnings("watch", [w for w in analysis.warnings if w not in warned])
+            warned.update(analysis.warnings)
             fresh = [i for i in analysis.incidents if i.id not in reported]
             reported.update(i.id for i in fresh)
             took = sum(s for _, s in analysis.seconds)
-            print(f"[steps {analysis.first_step}..{analysis.last_step}] {new_parts} new part(s), "
+            print(f"[{_steps_text(analysis)}] {new_parts} new part(s), "
                   f"{len(analysis.incidents)} incident(s) in the window, {len(fresh)} new ({took:.1f}s)", flush=True)
             if fresh:
                 print(render_incidents(fresh), flush=True)
@@ -251,10 +277,13 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _checkpoints(args: argparse.Namespace) -> int:
-    from rankwatch.trainer.catalog import list_checkpoints
+    from rankwatch.trainer.catalog import CHECKPOINT_DIR, list_checkpoints
 
     if not args.run_dir.is_dir():
         raise ValueError(f"{args.run_dir}: not a run directory (does not exist)")
+    folder = args.run_dir / CHECKPOINT_DIR
+    if folder.exists() and not folder.is_dir():  # else it would read as "no checkpoint was ever taken"
+        raise ValueError(f"{folder}: not a folder — the checkpoint catalog cannot be read")
     candidates = list_checkpoints(args.run_dir, verify=args.verify)
     how = "sizes and SHA-256 checked" if args.verify else "sizes checked (--verify also checks SHA-256)"
     print(f"rankwatch checkpoints: {args.run_dir}: {len(candidates)} candidate(s), {how}")
@@ -267,13 +296,19 @@ def _checkpoints(args: argparse.Namespace) -> int:
 
 def _evidence(args: argparse.Namespace) -> int:
     from rankwatch.analytics.analyze import ANALYSIS_DIR
+    from rankwatch.analytics.errors import AnalyticsError
     from rankwatch.analytics.incidents import read_incidents
+    from rankwatch.analytics.store import check_run
     from rankwatch.trainer.catalog import list_checkpoints
     from rankwatch.trainer.evidence import preserve_evidence
 
     path = args.run_dir / ANALYSIS_DIR / "incidents.json"
     if not path.exists():
         raise ValueError(f"{path}: no analysis yet — run `rankwatch analyze {args.run_dir}` first")
+    try:  # damaged telemetry is still evidence: it is preserved as it is, and said
+        _say_warnings("evidence", check_run(args.run_dir)[1])
+    except AnalyticsError as exc:
+        _say_warnings("evidence", [f"{exc} — preserved as it is"])
     incidents = [i for i in read_incidents(path) if not args.incident or i.id in args.incident]
     unknown = set(args.incident) - {i.id for i in incidents}
     if unknown:
@@ -290,11 +325,14 @@ def _evidence(args: argparse.Namespace) -> int:
 
 
 def _recover(args: argparse.Namespace) -> int:
+    from rankwatch.analytics.analyze import input_warnings
     from rankwatch.trainer.manager import apply, assess, config_from_run, recurrence_from
 
     cfg = config_from_run(args.run_dir)
-    recurrence = recurrence_from([args.run_dir, *args.history]) if args.history else None
-    plan = assess(args.run_dir, layout=cfg.layout, recurrence=recurrence)
+    with input_warnings() as warnings:  # what the analyses behind the plan left out or could not see
+        recurrence = recurrence_from([args.run_dir, *args.history]) if args.history else None
+        plan = assess(args.run_dir, layout=cfg.layout, recurrence=recurrence)
+    _say_warnings("recover", warnings)
     print(f"rankwatch recover: {args.run_dir}: {len(plan.decided)} new incident(s)"
           + (f", {len(plan.skipped)} already handled or older than the latest launch" if plan.skipped else ""))
     for line in plan.lines():

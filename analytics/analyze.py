@@ -7,9 +7,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+
+import duckdb
 
 from rankwatch.analytics.anomaly import detect_anomalies
 from rankwatch.analytics.corruption import detect_corruption
@@ -19,8 +23,9 @@ from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Incident, sort_incidents, write_incidents
 from rankwatch.analytics.localize import RunObservation
 from rankwatch.analytics.queries import groups, load_frames, topology
-from rankwatch.analytics.store import materialize, open_run
+from rankwatch.analytics.store import check_store, materialize, open_run, telemetry_dir
 from rankwatch.analytics.straggler import detect_stragglers
+from rankwatch.analytics.validate import read_error
 from rankwatch.collector.schema import Table
 
 ANALYSIS_DIR = "analysis"
@@ -46,7 +51,8 @@ class Analysis:
     first_step: int
     last_step: int
     warnings: tuple[str, ...]
-    """One line per part file left out (cut short, unreadable), naming it."""
+    """One line per part file left out (cut short, unreadable) and per table the detectors need that holds no row,
+    naming it."""
     seconds: tuple[tuple[str, float], ...]
     """Wall seconds per stage, in order."""
 
@@ -56,6 +62,27 @@ Progress = Callable[[str], None]
 
 def _quiet(_: str) -> None:
     pass
+
+
+_COLLECTED: ContextVar[list[str] | None] = ContextVar("rankwatch_input_warnings", default=None)
+
+
+@contextmanager
+def input_warnings() -> Iterator[list[str]]:
+    """The input warnings of every analysis run inside the block, each once, in order: what a caller surfaces when
+    what it calls analyzes for it and keeps only the incidents (`observe_run`, the recovery manager's `assess`)."""
+    seen: list[str] = []
+    token = _COLLECTED.set(seen)
+    try:
+        yield seen
+    finally:
+        _COLLECTED.reset(token)
+
+
+def _collect(warnings: tuple[str, ...]) -> None:
+    seen = _COLLECTED.get()
+    if seen is not None:
+        seen.extend(w for w in warnings if w not in seen)
 
 
 def detect_all(frames: Frames, *, anomaly: bool = True, progress: Progress = _quiet,
@@ -83,7 +110,8 @@ def detect_all(frames: Frames, *, anomaly: bool = True, progress: Progress = _qu
 
 def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), progress: Progress = _quiet) -> Analysis:
     """Find the incidents of a run. Raises `AnalyticsError` (one line, naming the file) for a run that cannot be
-    read; parts that are cut short are left out with a warning in the result."""
+    read or whose rows no collector writes (`validate`); parts that are cut short, and tables the detectors need
+    that hold no row, are warnings in the result (and in `input_warnings`)."""
     run = Path(run_dir)
     timings: list[tuple[str, float]] = []
     t0 = time.perf_counter()
@@ -92,22 +120,30 @@ def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), p
     for w in store.warnings:
         progress(f"warning: {w}")
     since = None
-    if config.window_steps is not None and Table.STEPS in store.tables:
-        last = store.con.execute("SELECT max(step) FROM steps").fetchall()[0][0]
-        since = None if last is None else max(0, int(last) - config.window_steps + 1)
-    progress("reading telemetry" + (f" from step {since}" if since is not None else ""))
-    materialize(store, since_step=since)
-    timings.append(("open", time.perf_counter() - t0))
-    t0 = time.perf_counter()
-    progress("loading frames" + (f" from step {since}" if since is not None else ""))
-    frames = load_frames(con=store.con, since_step=since)
+    try:
+        if config.window_steps is not None and Table.STEPS in store.tables:
+            last = store.con.execute("SELECT max(step) FROM steps").fetchall()[0][0]
+            since = None if last is None else max(0, int(last) - config.window_steps + 1)
+        progress("reading telemetry" + (f" from step {since}" if since is not None else ""))
+        materialize(store, since_step=since)
+        found = check_store(store, run, since_step=since)
+        timings.append(("open", time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        progress("loading frames" + (f" from step {since}" if since is not None else ""))
+        frames = load_frames(con=store.con, since_step=since)
+    except duckdb.Error as exc:  # a row guard naming a damaged part, or a read that failed
+        raise read_error(exc, telemetry_dir(run)) from None
     timings.append(("load", time.perf_counter() - t0))
+    for w in found:
+        progress(f"warning: {w}")
+    warnings = (*store.warnings, *found)
+    _collect(warnings)
     progress(f"loaded {frames.steps.height} step rows from {frames.world_size} ranks")
     incidents = detect_all(frames, anomaly=config.anomaly, progress=progress, timings=timings)
     return Analysis(
         run_dir=run, incidents=incidents, ranks=frames.world_size, first_step=frames.first_step,
         last_step=frames.last_step,
-        warnings=store.warnings, seconds=tuple(timings),
+        warnings=warnings, seconds=tuple(timings),
     )
 
 
@@ -115,10 +151,13 @@ def observe_run(run_dir: Path | str, *, progress: Progress = _quiet) -> RunObser
     """Analyze a run and pair its incidents with the topology they happened on, for `localize`."""
     analysis = analyze(run_dir, progress=progress)
     store = open_run(run_dir)
-    topo = topology(store.con)
+    try:
+        topo, grouped = topology(store.con), groups(store.con)
+    except duckdb.Error as exc:
+        raise read_error(exc, telemetry_dir(run_dir)) from None
     attempt = int(topo["attempt"].max()) if topo.height else 0  # type: ignore[arg-type]
     return RunObservation(run=str(run_dir), attempt=attempt, incidents=analysis.incidents, topology=topo,
-                          groups=groups(store.con))
+                          groups=grouped)
 
 
 def write_analysis(analysis: Analysis) -> tuple[Path, Path]:

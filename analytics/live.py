@@ -33,7 +33,9 @@ from rankwatch.analytics.store import (
     part_footers,
     readable_parts,
     table_parts,
+    telemetry_dir,
 )
+from rankwatch.analytics.validate import check_keys, data_warnings, is_guard_error, read_error, stray_tables
 from rankwatch.collector.rollup import COVERS_KEY, PartListing, part_number, rank_of_part, read_covers
 from rankwatch.collector.schema import EventKind, Table
 
@@ -87,21 +89,27 @@ class LiveAnalyzer:
         """Per table, per rank: numbers of the rank parts read from their own file whose rows no host part read
         since holds. Only a new host part that covers one of them needs its footer read."""
         self._tables: set[Table] = set()
+        self._files: dict[Table, list[Path]] = {t: [] for t in Table}
+        """The part files read, per table (to name the ones holding a repeated row)."""
         self.warnings: list[str] = []
 
     def refresh(self) -> int:
         """Read the part files not seen yet; returns how many. A part that cannot be read is left out with a
         warning (and tried again at the next refresh, in case it was still being replaced); a part of an unknown
-        schema version raises `SchemaVersionError`.
+        schema version, of other columns, or with rows no collector writes raises (`errors`, one line naming it).
 
         Tables are read concurrently, each on its own DuckDB cursor: reading many small files has single-threaded
         stretches per statement (opening files, footers) that another table's statement fills."""
         tables = [t for t in Table if t in ANALYZED_TABLES]
+        if not self._seen:  # said once, while nothing was read yet
+            self.warnings.extend(w for w in stray_tables(telemetry_dir(self.run_dir)) if w not in self.warnings)
         # the order of rows in memory carries no meaning (files arrive in any order): not keeping it reads faster
         self.con.execute("SET preserve_insertion_order = false")
         try:
             with ThreadPoolExecutor(max_workers=_REFRESH_THREADS, thread_name_prefix="rankwatch-refresh") as pool:
                 added = sum(pool.map(self._refresh_table, tables))
+        except duckdb.Error as exc:
+            raise read_error(exc, telemetry_dir(self.run_dir)) from None
         finally:
             self.con.execute("RESET preserve_insertion_order")
         if added:
@@ -157,6 +165,7 @@ class LiveAnalyzer:
         ranks = [f for f in loose if f in meta]
         # each statement reads all or nothing; what it read is recorded before the next one can fail
         done = self._insert(con, table, [*hosts, *ranks]) if hosts or ranks else set()
+        self._files[table].extend(f for f in done if f not in self._seen)
         for f in done:
             self._seen.add(f)
             if f in loose:
@@ -169,6 +178,7 @@ class LiveAnalyzer:
                 if not self._insert(con, table, [f], where=f"NOT ({where})"):
                     continue
                 done.add(f)
+                self._files[table].append(f)
             for r, n in held_parts:
                 direct[r].discard(n)
             self._seen.add(f)
@@ -181,7 +191,9 @@ class LiveAnalyzer:
         try:
             self._insert_sql(con, table, files, where)
             return set(files)
-        except duckdb.Error:
+        except duckdb.Error as exc:
+            if is_guard_error(exc):  # a row no collector writes, in a readable part: naming it is all there is to do
+                raise
             if not all(f.exists() for f in files):
                 raise _Vanished from None
         readable, problems = readable_parts(con, files)  # file by file, naming what is wrong
@@ -196,9 +208,9 @@ class LiveAnalyzer:
         columns = analyzed_columns(table)
         if where:
             source = (f"(SELECT {columns} FROM (SELECT * EXCLUDE (file_row_number) "
-                      f"FROM {parquet_source(files, row_number=True)} WHERE {where}))")
+                      f"FROM {parquet_source(files, row_number=True, table=table)} WHERE {where}))")
         else:
-            source = f"(SELECT {columns} FROM {parquet_source(files, union_by_name=False)})"
+            source = f"(SELECT {columns} FROM {parquet_source(files, union_by_name=False, table=table)})"
         if table in self._tables:
             con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM {source}")
         else:
@@ -228,12 +240,18 @@ class LiveAnalyzer:
         if Table.STEPS in self._tables:
             last = self.con.execute("SELECT max(step) FROM steps").fetchall()[0][0]
             since = None if last is None else max(0, int(last) - self.config.window_steps + 1)
-        frames = load_frames(con=self.con, since_step=since)
+        try:
+            # the window's rows: a repeated key raises naming the parts, no row at all raises, a missing table warns
+            check_keys(self.con, self._tables, self._files, since_step=since)
+            found = data_warnings(self.con, self._tables, telemetry_dir(self.run_dir))
+            frames = load_frames(con=self.con, since_step=since)
+        except duckdb.Error as exc:
+            raise read_error(exc, telemetry_dir(self.run_dir)) from None
         timings.append(("load", time.perf_counter() - t0))
         incidents = detect_all(frames, anomaly=self.config.anomaly, progress=progress or (lambda _: None),
                                timings=timings)
         return Analysis(
             run_dir=self.run_dir, incidents=incidents, ranks=frames.world_size, first_step=frames.first_step,
             last_step=frames.last_step,
-            warnings=tuple(self.warnings), seconds=tuple(timings),
+            warnings=(*self.warnings, *found), seconds=tuple(timings),
         )

@@ -6,15 +6,27 @@ part file carries `rank` as a column, so the two layouts are read together, rank
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
 import pyarrow.parquet as pq
 
-from rankwatch.analytics.errors import RunDirError, SchemaVersionError
-from rankwatch.collector.rollup import MANIFEST, PartListing, RollupError, list_parts
+from rankwatch.analytics.errors import NoDataError, PartSchemaError, RunDirError, SchemaVersionError
+from rankwatch.analytics.validate import (
+    ARROW_SCHEMA_KEY,
+    SCHEMA_DIGEST_KEY,
+    check_folders,
+    check_keys,
+    check_part_schema,
+    check_schemas,
+    data_warnings,
+    read_error,
+    row_guard,
+    stray_tables,
+)
+from rankwatch.collector.rollup import MANIFEST, PartListing, RollupError, list_parts, table_dir
 from rankwatch.collector.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, TELEMETRY_DIR, Table
 
 
@@ -46,8 +58,10 @@ def table_parts(run_dir: Path | str, table: Table, *, rank_parts: bool = True,
                 fresh_s: float | None = None) -> PartListing:
     """`part_files` with the host manifests (see `collector.rollup.list_parts`; without `rank_parts`, host parts
     only; with `fresh_s`, no rank folder of a host whose agent published within `fresh_s` seconds). Host parts of
-    another schema version raise `SchemaVersionError`, naming their manifest."""
+    another schema version raise `SchemaVersionError`, naming their manifest; anything in the table folder that is
+    not a rank folder raises `DamagedDataError` (`validate.check_folders`)."""
     telemetry_dir(run_dir)
+    check_folders(table_dir(run_dir, table))
     try:
         listing = list_parts(run_dir, table, rank_parts=rank_parts, fresh_s=fresh_s)
     except RollupError as exc:
@@ -60,22 +74,25 @@ def table_parts(run_dir: Path | str, table: Table, *, rank_parts: bool = True,
 
 
 def check_part(path: Path) -> dict[bytes, bytes]:
-    """Raise a one-line error if a part file is unreadable or of an unknown schema version; else its footer
-    metadata."""
+    """Raise a one-line error if a part file is unreadable, of an unknown schema version or (a rank part) of other
+    columns than its table's; else its footer metadata."""
     try:
-        meta = pq.read_schema(path).metadata or {}
+        schema = pq.read_schema(path)
     except Exception as exc:
         raise RunDirError(f"{path}: unreadable parquet part ({type(exc).__name__}: {exc})") from None
+    meta = schema.metadata or {}
     version = meta.get(SCHEMA_VERSION_KEY)
-    if version is None or int(version) != SCHEMA_VERSION:
-        found = version.decode() if version else "none"
+    if version is None or not version.isdigit() or int(version) != SCHEMA_VERSION:
+        found = version.decode(errors="replace") if version else "none"
         raise SchemaVersionError(f"{path}: schema version {found}, this rankwatch reads {SCHEMA_VERSION}")
+    check_part_schema(path, schema)
     return dict(meta)
 
 
 def connect(run_dir: Path | str, *, check: bool = True) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB with one view per table present in the run (union by name, rank from the path).
-    With `check`, any unreadable part or unknown schema version raises a one-line error naming the file."""
+    With `check`, any unreadable part, unknown schema version or other columns raises a one-line error naming the
+    file."""
     con = duckdb.connect()
     for table in Table:
         files = part_files(run_dir, table)
@@ -97,6 +114,8 @@ class RunStore:
     parts: int
     tables: frozenset[Table]
     """Tables with at least one readable part."""
+    files: Mapping[Table, tuple[Path, ...]] = field(default_factory=dict)
+    """The readable parts of each table (what the views read)."""
 
 
 RELIST_TRIES = 5
@@ -123,28 +142,41 @@ def open_run(run_dir: Path | str, *, tables: Collection[Table] = ANALYZED_TABLES
         if not any(not f.exists() for f in every if f not in readable):
             break
         # a rank part was deleted after a host rollup covering it was published: the listing is stale, list again
-    warnings = [f"{p} — left out of the analysis" for p in problems]
-    kept, present = 0, set()
+    warnings = [*stray_tables(tel), *(f"{p} — left out of the analysis" for p in problems)]
+    kept, present, read = 0, set(), {}
     for table, files in by_table.items():
         good = [f for f in files if f in readable]
         if good:
-            # Every part was checked to carry this rankwatch's schema version, so all share one column set:
-            # union by name (which reads every footer again at each query) is only needed across versions.
+            # Every part was checked to carry this rankwatch's schema version and (rank parts) its table's columns,
+            # so all share one column set: union by name (which reads every footer again at each query) is only
+            # needed across versions.
             _create_view(con, table, good, union_by_name=False)
             kept += len(good)
             present.add(table)
+            read[table] = tuple(good)
     if not kept:
         raise RunDirError(f"{tel}: none of its {len(every)} part files is readable")
-    return RunStore(con=con, warnings=tuple(warnings), parts=kept, tables=frozenset(present))
+    return RunStore(con=con, warnings=tuple(warnings), parts=kept, tables=frozenset(present), files=read)
 
 
-# What analysis keeps in memory: each table read by several queries, with the columns they use. Tables read by one
-# query (gpu, fingerprints, checkpoint phases) stay views over the files.
+def check_store(store: RunStore, run_dir: Path | str, *, since_step: int | None = None) -> tuple[str, ...]:
+    """The checks on an opened (and materialized) run's rows: repeated row keys raise `DamagedDataError` naming the
+    files (from `since_step` on), a run without a row raises `NoDataError`; returns one warning per table the
+    detectors need that is missing or empty. Rank and value ranges are checked inside the reads (`row_guard`)."""
+    check_keys(store.con, store.tables, store.files, since_step=since_step)
+    return data_warnings(store.con, store.tables, telemetry_dir(run_dir))
+
+
+# What analysis keeps in memory: each table read by several queries, with the columns they use, and the small tables
+# whose row keys `check_store` counts (fingerprints, checkpoint phases: a second read of their files would cost more
+# than holding them). The GPU table, read by one query, stays a view over the files.
 _MATERIALIZED: dict[Table, str] = {
     Table.TOPOLOGY: "*",
     Table.STEPS: "*",
     Table.EVENTS: "*",
     Table.COLLECTIVES: "* EXCLUDE (dtype, device_duration_ns, exit_mono_ns)",
+    Table.FINGERPRINTS: "*",
+    Table.CHECKPOINT_PHASES: "*",
 }
 
 
@@ -192,26 +224,30 @@ def part_footers(con: duckdb.DuckDBPyConnection, files: list[Path], *, keys: Col
     wanted = {SCHEMA_VERSION_KEY, *keys}
     fast = _footers_fast(con, files, wanted)
     if fast is not None:
-        return fast, ()
+        check_schemas(fast)
+        return {f: {k: v for k, v in m.items() if k in wanted} for f, m in fast.items()}, ()
     with ThreadPoolExecutor(max_workers=threads) as pool:
         checked = list(zip(files, pool.map(_part_problem, files)))
     for _, problem in checked:
-        if isinstance(problem, SchemaVersionError):
+        if isinstance(problem, (SchemaVersionError, PartSchemaError)):
             raise problem
     bad = tuple(p for _, p in checked if isinstance(p, RunDirError))
     good = {f: {k: v for k, v in p.items() if k in wanted} for f, p in checked if isinstance(p, dict)}
     return good, bad
 
 
-def parquet_source(files: list[Path], *, union_by_name: bool = True, row_number: bool = False) -> str:
+def parquet_source(files: list[Path], *, union_by_name: bool = True, row_number: bool = False,
+                   table: Table | None = None) -> str:
     """A DuckDB relation over exactly `files`: rank from the files (a host rollup holds many ranks), as BIGINT like
     the hive-partitioned rank layout gave it. With `row_number`, each row's 0-based place in its file as
-    `file_row_number`."""
+    `file_row_number`. Reading it raises, naming the file, at a row no collector writes (`validate.row_guard`: a
+    rank other than its folder's, negative durations of `table`)."""
     listing = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
     by_name = "true" if union_by_name else "false"
     extra = ", file_row_number=true" if row_number else ""
     return (f"(SELECT * REPLACE (CAST(rank AS BIGINT) AS rank) "
-            f"FROM read_parquet([{listing}], hive_partitioning=false, union_by_name={by_name}{extra}))")
+            f"FROM read_parquet([{listing}], hive_partitioning=false, union_by_name={by_name}{extra}) "
+            f"WHERE {row_guard(table, files)})")
 
 
 def _footers_fast(con: duckdb.DuckDBPyConnection, files: list[Path], keys: Collection[bytes]
@@ -221,15 +257,19 @@ def _footers_fast(con: duckdb.DuckDBPyConnection, files: list[Path], keys: Colle
     if not files:
         return {}
     try:
+        # the arrow schema comes back as its md5 (`validate.check_schemas` reads one footer per distinct value)
         rows = con.execute(
-            "SELECT file_name, key, value FROM parquet_kv_metadata($1) WHERE list_contains($2, decode(key))",
-            [[str(f) for f in files], sorted(k.decode() for k in keys)],
+            "SELECT file_name, key, CASE WHEN decode(key) = $3 THEN md5(value)::BLOB ELSE value END "
+            "FROM parquet_kv_metadata($1) WHERE list_contains($2, decode(key))",
+            [[str(f) for f in files], sorted({*(k.decode() for k in keys), ARROW_SCHEMA_KEY.decode()}),
+             ARROW_SCHEMA_KEY.decode()],
         ).fetchall()
     except duckdb.Error:
         return None
     by_name: dict[str, dict[bytes, bytes]] = {}
     for name, key, value in rows:
-        by_name.setdefault(str(name), {})[bytes(key)] = bytes(value)
+        k = bytes(key)
+        by_name.setdefault(str(name), {})[SCHEMA_DIGEST_KEY if k == ARROW_SCHEMA_KEY else k] = bytes(value)
     version = str(SCHEMA_VERSION).encode()
     out = {}
     for f in files:
@@ -249,19 +289,41 @@ def _part_problem(path: Path) -> RunDirError | SchemaVersionError | dict[bytes, 
 
 
 def _create_view(con: duckdb.DuckDBPyConnection, table: Table, files: list[Path], *, union_by_name: bool = True) -> None:
-    con.execute(f"CREATE VIEW {table} AS SELECT * FROM {parquet_source(files, union_by_name=union_by_name)}")
+    source = parquet_source(files, union_by_name=union_by_name, table=table)
+    con.execute(f"CREATE VIEW {table} AS SELECT * FROM {source}")
 
 
-def table_summaries(run_dir: Path | str) -> list[TableSummary]:
-    """Rows, ranks, part files and bytes per table of a run."""
-    con = connect(run_dir)
+def check_run(run_dir: Path | str) -> tuple[RunStore, tuple[str, ...]]:
+    """Every table of a run opened with the checks analysis makes (`open_run`, `check_store`), for a command that
+    reports what the run holds rather than what happened in it: damage raises a one-line error; parts left out,
+    missing tables and a run without any row are warnings."""
+    store = open_run(run_dir, tables=frozenset(Table))
+    found = list(store.warnings)
+    try:
+        found.extend(check_store(store, run_dir))
+    except NoDataError as exc:
+        found.append(str(exc))
+    except duckdb.Error as exc:
+        raise read_error(exc, telemetry_dir(run_dir)) from None
+    return store, tuple(found)
+
+
+def table_summaries(run_dir: Path | str, *, warnings: list[str] | None = None) -> list[TableSummary]:
+    """Rows, ranks, part files and bytes per table of a run (`check_run`'s warnings appended to `warnings`)."""
+    store, found = check_run(run_dir)
+    if warnings is not None:
+        warnings.extend(found)
+    con = store.con
     out = []
     for table in Table:
-        files = part_files(run_dir, table)
+        files = list(store.files.get(table, ()))
         if not files:
             out.append(TableSummary(table=table, rows=0, ranks=0, files=0, bytes=0))
             continue
-        rows, ranks = con.execute(f"SELECT count(*), count(DISTINCT rank) FROM {table}").fetchall()[0]
+        try:
+            rows, ranks = con.execute(f"SELECT count(*), count(DISTINCT rank) FROM {table}").fetchall()[0]
+        except duckdb.Error as exc:
+            raise read_error(exc, telemetry_dir(run_dir)) from None
         out.append(
             TableSummary(table=table, rows=rows, ranks=ranks, files=len(files), bytes=sum(f.stat().st_size for f in files))
         )
