@@ -44,6 +44,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="run a rollup agent for every virtual host while the job runs: merge each host's new rank "
                         "part files into one host part per table every SECONDS (a monitor of many ranks reads fewer "
                         "files); see `rankwatch rollup`")
+    p.add_argument("--no-pin-buckets", action="store_true",
+                   help="let DDP rebuild its gradient buckets after each process's first backward (a resume with "
+                        "dp >= 4 is then not bitwise; replay verification says so)")
+    p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True) on every rank")
     p.add_argument("--supervise", type=int, default=0, metavar="N",
                    help="recover the job up to N times: after each attempt, analyze, decide the narrowest safe "
                         "recovery, preserve evidence and relaunch behind the consistency gate")
@@ -75,6 +79,8 @@ def _train(args: argparse.Namespace) -> int:
         collector=not args.no_collector,
         resume=args.resume,
         device_shift=args.device_shift,
+        pin_ddp_buckets=not args.no_pin_buckets,
+        deterministic_algorithms=args.deterministic,
     )
     print(f"rankwatch train: {cfg.world_size} ranks ({cfg.layout}) on {cfg.hosts} host(s), {cfg.steps} steps -> {cfg.run_dir}")
     for spec in cfg.faults.specs():
@@ -92,7 +98,53 @@ def _train(args: argparse.Namespace) -> int:
     print(f"rankwatch train: finished in {result.duration_s:.1f}s; exit codes {codes}")
     if result.terminated:
         print(f"rankwatch train: terminated ranks {list(result.terminated)} after a failure")
+    for check in result.replay:
+        verdict = "held" if check.held else "BROKEN — lineage verdict CHANGED (nondeterministic replay)"
+        print(f"rankwatch train: replay verification {verdict}: {check.describe()}")
+    if cfg.resume and not result.replay and not result.warnings:
+        print("rankwatch train: replay verification: no replayed step was fingerprinted by an earlier attempt "
+              "(not checkable)")
+    for w in result.warnings:
+        print(f"rankwatch train: warning: {w}", file=sys.stderr)
     return 0 if result.ok else 1
+
+
+def _lineage(args: argparse.Namespace) -> int:
+    import json
+
+    from rankwatch.trainer.promises import evaluate
+
+    v = evaluate(args.run_dir)
+    if args.json:
+        doc = {
+            "comparability": str(v.comparability), "reasons": [str(r) for r in v.reasons],
+            "entries": [e.body() | {"hash": e.hash} for e in v.entries],
+            "promises": [{"seq": p.seq, "kind": str(p.kind), "attempt": p.attempt, "status": str(p.status),
+                          "since_step": p.since_step, "fields": list(p.fields), "why": p.why} for p in v.promises],
+            "warnings": list(v.warnings),
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+    if not v.entries:
+        print(f"rankwatch lineage: {args.run_dir}: no lineage entries — the run was never resumed, replayed or "
+              "changed; nothing was promised")
+        return 0
+    reasons = f" ({', '.join(map(str, v.reasons))})" if v.reasons else ""
+    print(f"rankwatch lineage: {args.run_dir}: {len(v.entries)} entries, chain verified; run {v.comparability}{reasons}")
+    print(f"{'seq':>4}  {'kind':<20} {'attempt':>7}  {'steps':<11} {'verdict':<27} text")
+    for e in v.entries:
+        d = e.details
+        steps = f"{d.from_step}..{d.to_step}" if d.from_step is not None or d.to_step is not None else ""
+        attempt = "" if d.attempt is None else str(d.attempt)
+        verdict = str(e.verdict.comparability) + (f" ({','.join(map(str, e.verdict.reasons))})" if e.verdict.reasons else "")
+        print(f"{e.seq:>4}  {str(e.kind):<20} {attempt:>7}  {steps:<11} {verdict:<27} {d.text}")
+    print("promises:")
+    for p in v.promises:
+        since = f" since step {p.since_step} ({', '.join(p.fields)})" if p.since_step is not None else ""
+        print(f"  seq {p.seq} {p.kind}: {p.status}{since}: {p.why}")
+    for w in v.warnings:
+        print(f"rankwatch lineage: warning: {w}", file=sys.stderr)
+    return 0
 
 
 def _print_summary(run_dir: Path) -> None:
@@ -157,6 +209,8 @@ def _print_recovery(cfg: CanaryConfig) -> None:
 def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = None, anomaly: bool = True,
                  progress: bool = True) -> int:
     from rankwatch.analytics.analyze import ANALYSIS_DIR, AnalysisConfig, analyze, render_incidents, write_analysis
+    import json
+
     from rankwatch.analytics.incidents import to_json
 
     def say(msg: str) -> None:
@@ -172,8 +226,10 @@ def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = N
         saved = None
         print(f"rankwatch analyze: warning: could not save the analysis under {run_dir / ANALYSIS_DIR} "
               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", file=sys.stderr)
-    if as_json:
-        print(to_json(analysis.incidents))
+    if as_json:  # the warnings ride along: a consumer of the JSON alone must not take them for a healthy run
+        doc = json.loads(to_json(analysis.incidents))
+        doc["warnings"] = list(analysis.warnings)
+        print(json.dumps(doc, indent=2))
         return 0
     took = sum(s for _, s in analysis.seconds)
     print(f"rankwatch analyze: {run_dir}: {analysis.ranks} ranks, {_steps_text(analysis)}, "
@@ -309,7 +365,13 @@ def _evidence(args: argparse.Namespace) -> int:
         _say_warnings("evidence", check_run(args.run_dir)[1])
     except AnalyticsError as exc:
         _say_warnings("evidence", [f"{exc} — preserved as it is"])
-    incidents = [i for i in read_incidents(path) if not args.incident or i.id in args.incident]
+    try:
+        recorded = read_incidents(path)
+    except ValueError as exc:
+        raise ValueError(str(exc) if str(path) in str(exc) else f"{path}: {exc}") from None
+    except (TypeError, AttributeError) as exc:  # JSON of another shape than an incidents file
+        raise ValueError(f"{path}: not a readable incidents file ({type(exc).__name__}: {exc})") from None
+    incidents = [i for i in recorded if not args.incident or i.id in args.incident]
     unknown = set(args.incident) - {i.id for i in incidents}
     if unknown:
         raise ValueError(f"{path}: no incident {', '.join(sorted(unknown))}")
@@ -440,11 +502,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rc.add_argument("--history", type=Path, nargs="*", default=[], metavar="RUN",
                     help="other runs of the job, for recurrence (does a fault follow a device, host or link?)")
     rc.add_argument("--timeout", type=float, default=None, help="terminate a relaunch after this many seconds")
+    li = sub.add_parser("lineage", help="a run's lineage: every entry, and whether each bitwise promise was checked "
+                                        "and held")
+    li.add_argument("run_dir", type=Path)
+    li.add_argument("--json", action="store_true")
     _rollup_parser(sub)
     args = parser.parse_args(argv)
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
                 "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,
-                "evidence": _evidence, "recover": _recover, "rollup": _rollup}
+                "evidence": _evidence, "recover": _recover, "rollup": _rollup, "lineage": _lineage}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # bad input: one line, no traceback

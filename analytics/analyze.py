@@ -18,6 +18,7 @@ import duckdb
 from rankwatch.analytics.anomaly import detect_anomalies
 from rankwatch.analytics.corruption import detect_corruption
 from rankwatch.analytics.divergence import detect_divergence
+from rankwatch.analytics.replay import detect_replay_divergence
 from rankwatch.analytics.failstop import detect_failstops
 from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Incident, sort_incidents, write_incidents
@@ -91,7 +92,8 @@ def detect_all(frames: Frames, *, anomaly: bool = True, progress: Progress = _qu
     found: list[Incident] = []
     stages: list[tuple[str, Callable[[Frames], tuple[Incident, ...]]]] = [
         ("fail-stop and hang", detect_failstops), ("straggler", detect_stragglers),
-        ("divergence", detect_divergence), ("corruption", detect_corruption),
+        ("divergence", detect_divergence), ("replay verification", detect_replay_divergence),
+        ("corruption", detect_corruption),
     ]
     for name, detector in stages:
         t0 = time.perf_counter()

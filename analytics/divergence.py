@@ -34,7 +34,7 @@ FIELDS: tuple[str, ...] = ORIGIN_FIELDS + STATE_FIELDS
 AFTER_RESTART = "after_restart"
 AFTER_CHECKPOINT_LOAD = "after_checkpoint_load"
 
-_HASH_COLUMNS: dict[str, str] = {
+HASH_COLUMNS: dict[str, str] = {  # fingerprint field name -> column
     "rng_python": Fingerprints.RNG_PYTHON_HASH,
     "rng_numpy": Fingerprints.RNG_NUMPY_HASH,
     "rng_torch": Fingerprints.RNG_TORCH_HASH,
@@ -140,7 +140,7 @@ def fingerprint_departures(frames: Frames, *, min_majority_members: int = 3) -> 
         )
 
     on_common = fp.filter(pl.col("present") >= 2)
-    for name, column in _HASH_COLUMNS.items():
+    for name, column in HASH_COLUMNS.items():
         value = pl.col(column).cast(pl.String).fill_null(_NULL)
         counted = on_common.with_columns(value.alias("value")).with_columns(
             pl.len().over([*key, "value"]).alias("count"),

@@ -7,7 +7,7 @@ tests can build exactly the frames a detector needs. Times are int64 ns; steps a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import polars as pl
 
@@ -63,7 +63,14 @@ FRAME_SCHEMAS: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {
     },
     # Fingerprint rows as written (schema.Fingerprints).
     "fingerprints": {
-        "rank": _I32, "step": _I64, "wall_ns": _I64, "domain": _STR, "domain_ranks": pl.List(_I32),
+        "rank": _I32, "step": _I64, "attempt": _I32, "wall_ns": _I64, "domain": _STR, "domain_ranks": pl.List(_I32),
+        "param_hash": _STR, "optim_hash": _STR, "rng_python_hash": _STR, "rng_numpy_hash": _STR,
+        "rng_torch_hash": _STR, "rng_cuda_hash": _STR, "data_position": _I64, "param_count": _I64,
+    },
+    # Fingerprints of (rank, step)s that more than one attempt trained (a replay after a rollback): every attempt's
+    # latest row, so replay verification can compare them.
+    "replays": {
+        "rank": _I32, "step": _I64, "attempt": _I32, "wall_ns": _I64, "domain": _STR, "domain_ranks": pl.List(_I32),
         "param_hash": _STR, "optim_hash": _STR, "rng_python_hash": _STR, "rng_numpy_hash": _STR,
         "rng_torch_hash": _STR, "rng_cuda_hash": _STR, "data_position": _I64, "param_count": _I64,
     },
@@ -115,6 +122,7 @@ class Frames:
     collective_errors: pl.DataFrame
     end_wall_ns: int
     heartbeat_interval_ns: int = 1_000_000_000
+    replays: pl.DataFrame = field(default_factory=lambda: conform("replays", None))
 
     @classmethod
     def build(cls, *, end_wall_ns: int = 0, heartbeat_interval_ns: int = 1_000_000_000,

@@ -81,6 +81,8 @@ class Cause(StrEnum):
     RNG_MISMATCH = "rng_mismatch"
     DATA_POSITION_MISMATCH = "data_position_mismatch"
     STATE_MISMATCH = "state_mismatch"
+    NONDETERMINISTIC_REPLAY = "nondeterministic_replay"
+    """A step trained again after a rollback ended in another state than the attempt that trained it first."""
     # corruption causes
     HARDWARE_ERROR = "hardware_error"
     NON_FINITE = "non_finite"

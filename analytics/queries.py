@@ -252,6 +252,20 @@ def fingerprints(con: duckdb.DuckDBPyConnection, since_step: int | None = None) 
         ORDER BY step, rank"""))
 
 
+def replays(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
+    """Fingerprints of the (rank, step)s that more than one attempt fingerprinted: each attempt's latest row, for
+    replay verification (`divergence.replay_mismatches`). Rows of parts without an attempt column cannot be told
+    apart and are not replays."""
+    if Table.FINGERPRINTS not in _tables(con):
+        return conform("replays", None)
+    return conform("replays", _frame(con, f"""
+        SELECT * EXCLUDE (rank), rank::INTEGER AS rank FROM (
+            SELECT * FROM fingerprints WHERE attempt IS NOT NULL {_since(since_step)}
+            QUALIFY row_number() OVER (PARTITION BY rank, step, attempt ORDER BY wall_ns DESC) = 1)
+        QUALIFY min(attempt) OVER (PARTITION BY rank, step) < max(attempt) OVER (PARTITION BY rank, step)
+        ORDER BY step, rank, attempt"""))
+
+
 def events(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
     """Lifecycle events except heartbeats, in time order."""
     if Table.EVENTS not in _tables(con):
@@ -352,7 +366,7 @@ def load_frames(run_dir: Path | str | None = None, *, con: duckdb.DuckDBPyConnec
             checkpoints=checkpoints(con, since_step), fingerprints=fingerprints(con, since_step),
             events=events(con), liveness=liveness(con), open_collectives=open_collectives(con),
             collective_errors=collective_errors(con), end_wall_ns=end_wall_ns(con),
-            heartbeat_interval_ns=heartbeat_interval_ns(con, since_step),
+            heartbeat_interval_ns=heartbeat_interval_ns(con, since_step), replays=replays(con, since_step),
         )
     finally:
         _KNOWN_TABLES.reset(token)

@@ -552,7 +552,8 @@ class Collector:
             self._append(
                 Table.FINGERPRINTS,
                 (
-                    self.rank, step, time.time_ns(), domain, list(domain_ranks), fp.param_hash, fp.optim_hash,
+                    self.rank, step, self.attempt, time.time_ns(), domain, list(domain_ranks), fp.param_hash,
+                    fp.optim_hash,
                     fp.rng_python_hash, fp.rng_numpy_hash, fp.rng_torch_hash, fp.rng_cuda_hash, position,
                     fp.param_count,
                 ),

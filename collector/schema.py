@@ -19,7 +19,7 @@ from enum import IntFlag, StrEnum
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCHEMA_VERSION_KEY = b"rankwatch.schema_version"
 TELEMETRY_DIR = "telemetry"
 PARTITION_KEY = "rank"
@@ -140,6 +140,7 @@ class CheckpointPhases(StrEnum):
 class Fingerprints(StrEnum):
     RANK = "rank"
     STEP = "step"
+    ATTEMPT = "attempt"
     WALL_NS = "wall_ns"
     DOMAIN = "domain"
     DOMAIN_RANKS = "domain_ranks"
@@ -255,6 +256,9 @@ class LineageKind(StrEnum):
     DEVICE_QUARANTINED = "device_quarantined"
     CODE_CHANGE = "code_change"
     CONFIG_CHANGE = "config_change"
+    REPLAY_VERIFIED = "replay_verified"
+    """A resumed attempt's fingerprints of replayed steps were compared with an earlier attempt's: the verdict says
+    whether the replay was bitwise (identical) or not (CHANGED, `ChangeReason.NONDETERMINISTIC_REPLAY`)."""
 
 
 class Comparability(StrEnum):
@@ -275,6 +279,11 @@ class ChangeReason(StrEnum):
     """Kernels, math splits or code differ, so values may differ in the last bits or more."""
     HARDWARE = "hardware"
     """A different physical device, whose kernels or autotuned choices may differ."""
+    NONDETERMINISTIC_REPLAY = "nondeterministic_replay"
+    """A replayed step's fingerprint differs from the one an earlier attempt recorded for the same step."""
+    DETERMINISM_INPUTS = "determinism_inputs"
+    """A setting that decides the numerics changed between attempts (thread counts, deterministic-algorithms flag,
+    DDP bucket settings, backend, library versions)."""
 
 
 class ThrottleReason(IntFlag):
@@ -493,6 +502,8 @@ COLUMNS: dict[Table, tuple[ColumnSpec, ...]] = {
     Table.FINGERPRINTS: (
         _c(Fingerprints.RANK, _I32, "", _RANK_DOC),
         _c(Fingerprints.STEP, _I64, "step", "step after which the state was fingerprinted"),
+        _c(Fingerprints.ATTEMPT, _I32, "", "launch attempt that trained the step (a replayed step is fingerprinted "
+           "once per attempt, and the attempts are compared)"),
         _c(Fingerprints.WALL_NS, _I64, "ns", "wall clock when fingerprinted"),
         _c(
             Fingerprints.DOMAIN,

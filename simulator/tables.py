@@ -485,7 +485,8 @@ class _Builder:
         names = [g.name for g in topo.infos]
         catalog = pa.array([list(g.ranks) for g in topo.infos], type=pa.list_(pa.int32()))
         cols = {
-            "rank": rank, "step": step_out, "wall_ns": c.wall(end + 2e5, rank), "domain": _strings(names, domain),
+            "rank": rank, "step": step_out, "attempt": [0] * k, "wall_ns": c.wall(end + 2e5, rank),
+            "domain": _strings(names, domain),
             "domain_ranks": catalog.take(pa.array(domain)), "param_hash": param, "optim_hash": optim,
             "rng_python_hash": [hashed("rng_python")] * k, "rng_numpy_hash": [hashed("rng_numpy")] * k,
             "rng_torch_hash": rng_t, "rng_cuda_hash": [hashed("rng_cuda")] * k,

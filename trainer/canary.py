@@ -33,6 +33,7 @@ from rankwatch.collector.collectives import GroupInfo
 from rankwatch.collector.gpu import ReplaySampler, open_sampler
 from rankwatch.collector.null import NullCollector
 from rankwatch.trainer.checkpoint import CheckpointConfig, CheckpointFault, current_versions, save_checkpoint
+from rankwatch.trainer.determinism import DDP_BUCKET_CAP_MB, DeterminismInputs, pin_ddp_buckets
 from rankwatch.trainer.faults import FlipTarget, Faults
 from rankwatch.trainer.model import ModelConfig, ShardedLoader, Stage, SyntheticRegression
 from rankwatch.trainer.parallel import Hosts, Layout, build_groups
@@ -77,7 +78,13 @@ class CanaryConfig:
     collector: bool = True
     """Embed the collector (False = the no-op collector, for overhead comparisons)."""
     fingerprint_every: int = 50
-    """Fingerprint the training state every N steps."""
+    """Fingerprint the training state every N steps (0: only the last step and the first step after each
+    checkpoint, which replay verification compares)."""
+    pin_ddp_buckets: bool = True
+    """Fix DDP's gradient buckets at construction (`trainer.determinism.pin_ddp_buckets`): without it the first step
+    of every fresh process reduces in another bucket layout, and a resume with dp >= 4 is not bitwise."""
+    deterministic_algorithms: bool = False
+    """`torch.use_deterministic_algorithms` on every rank (on CUDA a bitwise replay needs it)."""
     grad_norm: bool = True
     """The collector measures each rank's local gradient norm before the all-reduce (off: only for overhead
     breakdowns; the steps table's local_grad_norm is then empty)."""
@@ -126,6 +133,14 @@ class CanaryConfig:
         return self.layout.world_size
 
 
+def determinism_inputs(cfg: CanaryConfig) -> DeterminismInputs:
+    """The determinism inputs the ranks of `cfg` run with (the launcher records them in run.json)."""
+    backend = cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    return DeterminismInputs.current(threads=cfg.threads, backend=backend,
+                                     deterministic_algorithms=cfg.deterministic_algorithms,
+                                     buckets_pinned=cfg.pin_ddp_buckets, bucket_cap_mb=DDP_BUCKET_CAP_MB)
+
+
 def _flip_bit(t: torch.Tensor, index: int, bit: int) -> None:
     flat = t.data.view(-1)
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
@@ -158,6 +173,7 @@ class _Rank:
     # -- setup ----------------------------------------------------------------------------------------
     def setup(self) -> None:
         torch.set_num_threads(self.cfg.threads)
+        torch.use_deterministic_algorithms(self.cfg.deterministic_algorithms)
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
         torch.manual_seed(self.cfg.seed)
@@ -207,6 +223,8 @@ class _Rank:
                            tp=self.tp, tp_size=self.layout.tp).to(self.device)
         self.stage.set_all_reduce(self._tp_all_reduce)
         self.ddp = DDP(self.stage, process_group=self.groups.dp)
+        if self.cfg.pin_ddp_buckets:
+            pin_ddp_buckets(self.ddp)  # the first step after a restart reduces in the same buckets as every other
         # the link-fault delay runs inside the timed bucket all-reduce; without faults there is nothing to call
         link_delay = self._link_delay if self.faults else None
         self.ddp.register_comm_hook(None, self.c.ddp_comm_hook(self.groups.dp, before=link_delay))
@@ -221,6 +239,8 @@ class _Rank:
                              optimizer=self.optimizer)
             self.loader.position = resumed.load.data_position
             self.start_step = resumed.next_step
+            if self.faults and (nudge := self.faults.nudge_after_load()) is not None:
+                self._nudge(nudge.param, nudge.index)
 
     # -- communication (timed, with link faults inside the timed region) ------------------------------
     def _link_delay(self, info: GroupInfo) -> None:
@@ -330,6 +350,13 @@ class _Rank:
             h.remove()
         return loss_value
 
+    def _nudge(self, param_index: int, index: int) -> None:
+        params = list(self.stage.parameters())
+        with torch.no_grad():
+            flat = params[param_index % len(params)].data.view(-1)
+            i = index % flat.numel()
+            flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf"), dtype=flat.dtype))
+
     def _grad_flip_hook(self, param_index: int, index: int, bit: int) -> Any:
         params = list(self.stage.parameters())
         p = params[param_index % len(params)]
@@ -344,6 +371,13 @@ class _Rank:
             return grad
 
         return p.register_hook(flip)
+
+    def _fingerprint_due(self, step: int) -> bool:
+        """Beyond every `fingerprint_every` steps: the last step, and the first step after every checkpoint (the
+        first step a resume from it trains), so every replay can be compared with the attempt it replays."""
+        every = self.cfg.checkpoint_every
+        return (step == self.cfg.steps - 1 or (self.cfg.resume and step == self.start_step)
+                or (every > 0 and step > 0 and step % every == 0))
 
     def fingerprint(self, step: int, *, force: bool = False) -> None:
         self.c.maybe_fingerprint(
@@ -365,7 +399,7 @@ class _Rank:
         for step in range(self.start_step, self.cfg.steps):
             self._step_start_faults(step)
             self.train_step(step)
-            self.fingerprint(step, force=step == self.cfg.steps - 1)
+            self.fingerprint(step, force=self._fingerprint_due(step))
             if self.cfg.record_step_times:  # three clock reads a step, only for benchmarks that ask
                 ends.append(time.perf_counter_ns())
                 thread_cpu.append(time.thread_time_ns())

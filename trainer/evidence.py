@@ -35,7 +35,7 @@ from typing import Any
 
 from rankwatch.collector.schema import PARTITION_KEY, TELEMETRY_DIR, Table
 from rankwatch.trainer.catalog import CHECKPOINT_DIR, MANIFEST, sha256_file
-from rankwatch.trainer.launch import RUN_FILE
+from rankwatch.trainer.runfile import RUN_FILE
 from rankwatch.trainer.lineage import LINEAGE_FILE
 
 EVIDENCE_DIR = "evidence"

@@ -27,6 +27,7 @@ class FaultKind(StrEnum):
     THROTTLE = "throttle"
     BAD_DEVICE = "bad_device"
     SLOW_LINK = "slow_link"
+    NUDGE = "nudge"
 
 
 class FlipTarget(StrEnum):
@@ -149,7 +150,17 @@ class SlowLink:
     until_step: int | None = None
 
 
-Fault = Slow | Exit | Kill | Hang | BitFlip | SkewRng | SkewData | Throttle | BadDevice | SlowLink
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Nudge:
+    """Right after a resume loads its checkpoint, every rank moves element `index` of parameter number `param` one
+    ulp up: the replicas still agree and the consistency gate passes, but the replay is no longer bitwise — what
+    only replay verification can see."""
+
+    param: int = 0
+    index: int = 0
+
+
+Fault = Slow | Exit | Kill | Hang | BitFlip | SkewRng | SkewData | Throttle | BadDevice | SlowLink | Nudge
 
 THROTTLE_REASONS: dict[str, ThrottleReason] = {
     "thermal": ThrottleReason.HW_THERMAL_SLOWDOWN,
@@ -184,6 +195,7 @@ _KINDS: dict[FaultKind, tuple[type, dict[str, str]]] = {
          "reason": "reason"},
     ),
     FaultKind.SLOW_LINK: (SlowLink, {"hosts": "hosts", "from": "from_step", "delay": "delay_s", "until": "until_step"}),
+    FaultKind.NUDGE: (Nudge, {"param": "param", "index": "index"}),
 }
 _KIND_OF: dict[type, FaultKind] = {cls: kind for kind, (cls, _) in _KINDS.items()}
 
@@ -352,6 +364,8 @@ class Faults:
                 for h in (f.host_a, f.host_b):
                     if h >= hosts:
                         raise ValueError(f"fault {fault_spec(f)!r}: host {h} does not exist (hosts are 0..{hosts - 1})")
+            elif isinstance(f, Nudge):
+                continue
             elif f.rank >= world_size:
                 raise ValueError(f"fault {fault_spec(f)!r}: rank {f.rank} does not exist (ranks are 0..{world_size - 1})")
 
@@ -375,6 +389,9 @@ class Faults:
         return self.add(BadDevice(host=host, index=index, from_step=from_step, delay_s=delay_s, until_step=until_step,
                                   reason=reason))
 
+    def nudge(self, *, param: int = 0, index: int = 0) -> Faults:
+        return self.add(Nudge(param=param, index=index))
+
     # -- questions the trainer asks -------------------------------------------------------------------
     def _of(self, cls: type, rank: int) -> list[Any]:
         return [f for f in self.faults if isinstance(f, cls) and getattr(f, "rank", None) == rank]
@@ -388,6 +405,9 @@ class Faults:
             if _active(step, f.from_step, f.until_step, None, None):
                 return THROTTLE_REASONS[f.reason]
         return None
+
+    def nudge_after_load(self) -> Nudge | None:
+        return next((f for f in self.faults if isinstance(f, Nudge)), None)
 
     def exit_at(self, rank: int, step: int) -> Exit | None:
         return next((f for f in self._of(Exit, rank) if f.step == step), None)

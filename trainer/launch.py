@@ -18,17 +18,21 @@ import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rankwatch.collector.rollup import rollup_all, run_agent
-from rankwatch.trainer.canary import CanaryConfig, run_rank
+from rankwatch.trainer.canary import CanaryConfig, determinism_inputs, run_rank
+from rankwatch.trainer.resume import preflight
+from rankwatch.trainer.runfile import DETERMINISM_KEY, RUN_FILE, read_launches
+
+if TYPE_CHECKING:
+    from rankwatch.trainer.promises import ReplayCheck
 
 log = logging.getLogger("rankwatch.trainer")
 
-RUN_FILE = "run.json"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,6 +44,11 @@ class LaunchResult:
     duration_s: float
     terminated: tuple[int, ...]
     """Ranks the launcher had to terminate."""
+    replay: tuple[ReplayCheck, ...] = ()
+    """A resumed attempt's replay verification (`trainer.promises`): one check per earlier attempt whose
+    fingerprinted steps it trained again."""
+    warnings: tuple[str, ...] = ()
+    """What the launcher could not do after the ranks ended (e.g. verify the replay), one line each."""
 
     @property
     def ok(self) -> bool:
@@ -53,14 +62,9 @@ class LaunchResult:
 def _record_launch(cfg: CanaryConfig) -> int:
     """Append this launch to <run>/run.json; returns its attempt number."""
     path = Path(cfg.run_dir) / RUN_FILE
-    doc: dict[str, Any] = {"launches": []}
-    if path.exists():
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: unreadable run file ({exc})") from None
-    attempt = len(doc.get("launches", []))
-    doc.setdefault("launches", []).append(
+    doc: dict[str, Any] = {"launches": read_launches(Path(cfg.run_dir), missing_ok=True)}
+    attempt = len(doc["launches"])
+    doc["launches"].append(
         {
             "attempt": attempt,
             "started_wall_ns": time.time_ns(),
@@ -89,6 +93,10 @@ def _record_launch(cfg: CanaryConfig) -> int:
             "resume": cfg.resume,
             "resume_from": cfg.resume_from,
             "device_shift": cfg.device_shift,
+            "pin_ddp_buckets": cfg.pin_ddp_buckets,
+            "deterministic_algorithms": cfg.deterministic_algorithms,
+            # what decides the numerics beyond the config: a resume that changes one is CHANGED in the lineage
+            DETERMINISM_KEY: determinism_inputs(cfg).to_dict(),
         }
     )
     tmp = path.with_suffix(".json.tmp")
@@ -112,6 +120,10 @@ def launch(
     `rollup_interval_s`, a rollup agent merges each virtual host's new rank part files into host parts at that
     interval while the job runs, and once more after it ends (`collector.rollup`)."""
     run_dir = Path(cfg.run_dir)
+    if cfg.resume:
+        preflight(run_dir)  # a bad run directory fails here, before anything is created or appended
+    elif run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"{run_dir}: not a directory")
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, attempt=_record_launch(cfg))
     grace = cfg.pg_timeout_s + 5.0 if failure_grace_s is None else failure_grace_s
@@ -159,12 +171,24 @@ def launch(
         del store
         if agent is not None:
             agent.close()
+    duration = time.monotonic() - start
+    checks: tuple[ReplayCheck, ...] = ()
+    warnings: list[str] = []
+    if cfg.resume:
+        from rankwatch.trainer.promises import record_replay_verification  # the analysis stack, launcher only
+
+        try:
+            checks = record_replay_verification(run_dir, cfg.attempt)
+        except ValueError as exc:
+            warnings.append(f"replay verification not recorded: {exc}")
     return LaunchResult(
         run_dir=run_dir,
         exit_codes=tuple(p.exitcode for p in procs),
         pids=pids,
-        duration_s=time.monotonic() - start,
+        duration_s=duration,
         terminated=tuple(terminated),
+        replay=checks,
+        warnings=tuple(warnings),
     )
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from rankwatch.collector.schema import ChangeReason, Comparability, LineageKind
 from rankwatch.collector.sink import fsync_path
+from rankwatch.trainer.determinism import DeterminismInputs
 from rankwatch.trainer.parallel import Layout
 
 LINEAGE_FILE = "lineage.jsonl"
@@ -89,6 +90,11 @@ class Details:
     new_hash: str | None = None
     """Code or config hash after; at START, the config hash."""
     text: str = ""
+    attempt: int | None = None
+    """The launch attempt the entry is about (a resume's, or the replay a REPLAY_VERIFIED entry checked)."""
+    determinism: str | None = None
+    """At RESTART / ROLLBACK: the attempt's determinism inputs (`trainer.determinism.DeterminismInputs`) as canonical
+    JSON. Left out of an entry's hashed body when None, so entries written before it existed still verify."""
 
 
 REQUIRED: dict[EntryKind, tuple[str, ...]] = {
@@ -102,6 +108,7 @@ REQUIRED: dict[EntryKind, tuple[str, ...]] = {
     EntryKind.DEVICE_QUARANTINED: (),
     EntryKind.CODE_CHANGE: ("old_hash", "new_hash"),
     EntryKind.CONFIG_CHANGE: ("old_hash", "new_hash"),
+    EntryKind.REPLAY_VERIFIED: ("from_step", "to_step", "attempt"),
 }
 """Details fields each kind must fill."""
 
@@ -151,7 +158,8 @@ class Entry:
         """Everything the hash covers: the entry without `hash`."""
         return {
             "seq": self.seq, "time_ns": self.time_ns, "kind": str(self.kind),
-            "details": {f.name: getattr(self.details, f.name) for f in fields(Details)},
+            "details": {f.name: getattr(self.details, f.name) for f in fields(Details)
+                        if f.name not in _OPTIONAL_DETAILS or getattr(self.details, f.name) is not None},
             "verdict": {"comparability": str(self.verdict.comparability),
                         "reasons": [str(r) for r in self.verdict.reasons], "note": self.verdict.note},
             "prev_hash": self.prev_hash,
@@ -169,6 +177,14 @@ class Entry:
                             reasons=tuple(ChangeReason(r) for r in v["reasons"]), note=v["note"]),
             prev_hash=str(d["prev_hash"]), hash=str(d["hash"]),
         )
+
+
+_OPTIONAL_DETAILS = frozenset({"attempt", "determinism"})
+"""Details fields added after lineage files existed: in the hashed body only when set."""
+
+
+def inputs_json(inputs: DeterminismInputs) -> str:
+    return _canonical(inputs.to_dict())
 
 
 def _canonical(obj: dict[str, Any]) -> str:
@@ -199,12 +215,14 @@ class Lineage:
 
     def append(self, new: NewEntry) -> Entry:
         """Number, chain, write and fsync one entry; safe against concurrent appenders in other processes.
-        Refuses (ValueError) to append after a truncated or unreadable last line."""
+        Refuses (ValueError) to append to a lineage whose chain does not verify (an entry edited, deleted or
+        reordered, a truncated or unreadable line): nothing is written then."""
         created = not self.path.exists()
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
+                _check(self.path, _verify_bytes(_read_all(fd)))
                 last = self._last(fd)
                 entry = _seal(new, 0 if last is None else last.seq + 1, GENESIS if last is None else last.hash)
                 data = entry.to_line().encode()
@@ -284,10 +302,33 @@ class VerifyResult:
     why: str = ""
 
 
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    return os.pread(fd, size, 0) if size else b""
+
+
+def _check(path: Path, result: VerifyResult) -> None:
+    if not result.ok:
+        raise ValueError(f"{path}: lineage does not verify at seq {result.broken_seq} ({result.problem}: {result.why});"
+                         " refusing to append to a tampered lineage")
+
+
+def check_lineage(path: Path) -> VerifyResult:
+    """`verify`, as a one-line ValueError naming the file when the chain is broken (a missing file is fine)."""
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path}: not a file")
+    result = verify(path)
+    _check(path, result)
+    return result
+
+
 def verify(path: Path, *, anchor: str | None = None) -> VerifyResult:
     """Check the chain from the first line; report the first break. With `anchor` (a head hash kept elsewhere), also
     a deleted tail or a re-hashed suffix."""
-    raw = path.read_bytes() if path.exists() else b""
+    return _verify_bytes(path.read_bytes() if path.exists() else b"", anchor=anchor)
+
+
+def _verify_bytes(raw: bytes, *, anchor: str | None = None) -> VerifyResult:
     lines = raw.split(b"\n")
     complete, torn = lines[:-1], lines[-1]
     parsed: list[Entry | None] = []
@@ -336,12 +377,14 @@ def verify(path: Path, *, anchor: str | None = None) -> VerifyResult:
 
 
 def comparability_of_resume(old_layout: Layout, new_layout: Layout, old_world: int, new_world: int, *,
-                            same_code: bool, same_config: bool, same_devices: bool = True) -> Verdict:
+                            same_code: bool, same_config: bool, same_devices: bool = True,
+                            determinism_changes: tuple[str, ...] = ()) -> Verdict:
     """Comparability of a resumed run with the run it resumes. Identical only if nothing changed.
 
     world size or dp degree -> batch composition + ordering (data resharded, reduction over other summands);
     tp degree -> numerics (matmul reductions split differently); pp degree -> ordering (another schedule);
-    code -> numerics; config -> numerics (its effect is not analysed here); devices -> hardware."""
+    code -> numerics; config -> numerics (its effect is not analysed here); devices -> hardware; a determinism input
+    (`determinism_changes`, one 'name old->new' each) -> determinism_inputs."""
     for name, layout, world in (("old", old_layout, old_world), ("new", new_layout, new_world)):
         if layout.world_size != world:
             raise ValueError(f"{name} layout {layout} has {layout.world_size} ranks but {name} world size is {world}")
@@ -365,6 +408,9 @@ def comparability_of_resume(old_layout: Layout, new_layout: Layout, old_world: i
     if not same_devices:
         reasons.append(ChangeReason.HARDWARE)
         notes.append("devices changed")
+    if determinism_changes:
+        reasons.append(ChangeReason.DETERMINISM_INPUTS)
+        notes.append("determinism inputs changed: " + ", ".join(determinism_changes))
     if not reasons:
-        return Verdict.identical("same layout, world size, code, config and devices")
+        return Verdict.identical("same layout, world size, code, config, devices and determinism inputs")
     return Verdict.changed(*reasons, note="; ".join(notes))

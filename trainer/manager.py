@@ -53,7 +53,8 @@ from rankwatch.trainer.canary import CanaryConfig
 from rankwatch.trainer.catalog import CHECKPOINT_DIR, Verdict, checkpoint_id, list_checkpoints
 from rankwatch.trainer.evidence import preserve_evidence
 from rankwatch.trainer.faults import Faults
-from rankwatch.trainer.launch import RUN_FILE, LaunchResult, launch
+from rankwatch.trainer.launch import LaunchResult, launch
+from rankwatch.trainer.runfile import RUN_FILE, read_launches
 from rankwatch.trainer.lineage import Details, Lineage, NewEntry, lineage_path
 from rankwatch.trainer.lineage import Verdict as LineageVerdict
 from rankwatch.trainer.model import ModelConfig
@@ -233,15 +234,9 @@ def plan_recovery(
 
 
 def _launches(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / RUN_FILE
-    if not path.exists():
-        raise ValueError(f"{path}: no run file — not a canary run directory")
-    try:
-        launches: list[dict[str, Any]] = json.loads(path.read_text())["launches"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: unreadable run file ({type(exc).__name__}: {exc})") from None
+    launches = read_launches(run_dir)
     if not launches:
-        raise ValueError(f"{path}: records no launch")
+        raise ValueError(f"{run_dir / RUN_FILE}: records no launch")
     return launches
 
 
@@ -539,7 +534,11 @@ def config_from_run(run_dir: Path) -> CanaryConfig:
             flush_interval_s=float(last["flush_interval_s"]), heartbeat_interval_s=float(last["heartbeat_interval_s"]),
             gpu_interval_s=float(last["gpu_interval_s"]), backend=last["backend"],
             device_shift=int(last.get("device_shift", 0)), grad_norm=bool(last.get("grad_norm", True)),
+            pin_ddp_buckets=bool(last.get("pin_ddp_buckets", True)),
+            deterministic_algorithms=bool(last.get("deterministic_algorithms", False)),
         )
     except KeyError as exc:
         raise ValueError(f"{Path(run_dir) / RUN_FILE}: launch record lacks {exc} (written by an older rankwatch)") from None
+    except (TypeError, AttributeError) as exc:  # a value of the wrong shape (e.g. "model": 3)
+        raise ValueError(f"{Path(run_dir) / RUN_FILE}: launch record of the wrong shape ({exc})") from None
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
@@ -30,19 +31,22 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from rankwatch.collector.schema import CheckpointPhase, EventKind, GroupKind, Steps, Table
 from rankwatch.collector.sink import partition_dir
-from rankwatch.trainer.catalog import DCP_DIR, Candidate, Manifest, Verdict, list_checkpoints, rank_shard_name
+from rankwatch.trainer.catalog import CHECKPOINT_DIR, DCP_DIR, Candidate, Manifest, Verdict, list_checkpoints, rank_shard_name
 from rankwatch.trainer.checkpoint import LoadResult, current_versions, load_checkpoint, set_rng_state, shard_key
 from rankwatch.trainer.gate import ALL_FIELDS, WORLD_FIELDS, Domain, GateOutcome, GateVerdict, rank_state, run_gate
-from rankwatch.trainer.lineage import Details, EntryKind, Lineage, NewEntry, comparability_of_resume, lineage_path
+from rankwatch.trainer.determinism import DeterminismInputs
+from rankwatch.trainer.lineage import (Details, EntryKind, Lineage, NewEntry, check_lineage, comparability_of_resume,
+                                       inputs_json, lineage_path)
 from rankwatch.trainer.lineage import Verdict as Comparability
 from rankwatch.trainer.parallel import Layout, RankGroups, group_specs
+from rankwatch.trainer.runfile import RUN_FILE, determinism_of, read_launches
 
 if TYPE_CHECKING:
     from rankwatch.trainer.canary import CanaryConfig
 
 log = logging.getLogger("rankwatch.trainer")
 
-__all__ = ["GateRefused", "Plan", "Resumed", "last_completed_step", "loadable", "plan", "resume"]
+__all__ = ["GateRefused", "Plan", "Resumed", "last_completed_step", "loadable", "plan", "preflight", "resume"]
 
 
 class GateRefused(RuntimeError):
@@ -115,15 +119,43 @@ def plan(run_dir: Path, *, layout: Layout, checkpoint_id: str | None = None) -> 
 
 
 def last_completed_step(run_dir: Path, *, before_attempt: int) -> int | None:
-    """The highest step any rank completed in attempts before `before_attempt`, from the steps part files."""
+    """The highest step any rank completed in attempts before `before_attempt`, from the steps part files. A part
+    that cannot be read, or whose columns are not integers, is skipped with a warning naming it: it is evidence of
+    what was trained, not something a resume from an intact checkpoint must stop on."""
     root = partition_dir(run_dir, Table.STEPS, 0).parent
     best: int | None = None
     for part in sorted(root.glob("*/part-*.parquet")):
-        t = pq.read_table(part, columns=[str(Steps.STEP), str(Steps.ATTEMPT)]).to_pydict()
-        steps = [s for s, a in zip(t[str(Steps.STEP)], t[str(Steps.ATTEMPT)]) if a < before_attempt]
+        try:
+            t = pq.read_table(part, columns=[str(Steps.STEP), str(Steps.ATTEMPT)])
+        except Exception as exc:  # cut short, not parquet, columns missing: the part is damaged
+            log.warning("rankwatch resume: %s: unreadable steps part left out of the replay range (%s)", part,
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
+        if not all(pa.types.is_integer(t.schema.field(c).type) for c in (str(Steps.STEP), str(Steps.ATTEMPT))):
+            log.warning("rankwatch resume: %s: steps part with non-integer step/attempt left out", part)
+            continue
+        d = t.to_pydict()
+        steps = [s for s, a in zip(d[str(Steps.STEP)], d[str(Steps.ATTEMPT)])
+                 if s is not None and a is not None and a < before_attempt]
         if steps:
             best = max(steps) if best is None else max(best, *steps)
     return best
+
+
+def preflight(run_dir: Path) -> None:
+    """What `train --resume` checks before it launches anything (so a bad run directory gets a one-line
+    ValueError and nothing is created or appended): the run directory exists and is a directory, its run file is
+    well formed, its lineage verifies (a tampered lineage is never appended to), and it has a checkpoints folder."""
+    run = Path(run_dir)
+    if not run.exists():
+        raise ValueError(f"{run}: no such run directory (--resume never creates a run)")
+    if not run.is_dir():
+        raise ValueError(f"{run}: not a directory")
+    if not read_launches(run):
+        raise ValueError(f"{run / RUN_FILE}: records no launch")
+    check_lineage(lineage_path(run))
+    if not (run / CHECKPOINT_DIR).is_dir():
+        raise ValueError(f"{run / CHECKPOINT_DIR}: no checkpoints folder — nothing to resume from")
 
 
 def _load_other_dp(collector: Any, c: Candidate, *, rank: int, layout: Layout, group: Any, model: torch.nn.Module,
@@ -147,7 +179,20 @@ def _load_other_dp(collector: Any, c: Candidate, *, rank: int, layout: Layout, g
                       lr_scheduler=state["lr_scheduler"], grad_scaler=state["grad_scaler"], versions=m.versions)
 
 
-def _comparability(cfg: CanaryConfig, m: Manifest) -> Comparability:
+def _determinism_changes(cfg: CanaryConfig) -> tuple[tuple[str, ...], DeterminismInputs | None]:
+    """What changed in the determinism inputs since the previous launch that recorded them, and this launch's."""
+    launches = read_launches(Path(cfg.run_dir))
+    now = determinism_of(Path(cfg.run_dir), launches[cfg.attempt]) if cfg.attempt < len(launches) else None
+    if now is None:
+        return (), None
+    for launch in reversed(launches[:cfg.attempt]):
+        before = determinism_of(Path(cfg.run_dir), launch)
+        if before is not None:
+            return before.changes(now), now
+    return (), now
+
+
+def _comparability(cfg: CanaryConfig, m: Manifest, determinism: tuple[str, ...] = ()) -> Comparability:
     now = current_versions(cfg)
     old = m.versions
     same_code = (old.rankwatch, old.torch, old.python, old.numpy) == (now.rankwatch, now.torch, now.python, now.numpy)
@@ -157,31 +202,35 @@ def _comparability(cfg: CanaryConfig, m: Manifest) -> Comparability:
     except ValueError:
         same_config = False
     return comparability_of_resume(m.layout, cfg.layout, m.world_size, cfg.world_size, same_code=same_code,
-                                   same_config=same_config)
+                                   same_config=same_config, determinism_changes=determinism)
 
 
 def _record_lineage(cfg: CanaryConfig, m: Manifest) -> None:
-    verdict = _comparability(cfg, m)
+    changes, inputs = _determinism_changes(cfg)
+    verdict = _comparability(cfg, m, changes)
+    recorded = inputs_json(inputs) if inputs is not None else None
     resume_at = m.step + 1
     previous = last_completed_step(cfg.run_dir, before_attempt=cfg.attempt)
     book = Lineage(lineage_path(Path(cfg.run_dir)))
     if previous is not None and previous >= resume_at:
         book.append(NewEntry(kind=EntryKind.ROLLBACK, verdict=verdict, details=Details(
-            from_step=previous, to_step=resume_at, checkpoint_id=m.checkpoint_id,
-            text=f"attempt {cfg.attempt} rolls back from step {previous} to {m.checkpoint_id}")))
+            from_step=previous, to_step=resume_at, checkpoint_id=m.checkpoint_id, determinism=recorded,
+            attempt=cfg.attempt, text=f"attempt {cfg.attempt} rolls back from step {previous} to {m.checkpoint_id}")))
         book.append(NewEntry(kind=EntryKind.REPLAYED_DATA_RANGE, verdict=verdict, details=Details(
-            from_step=resume_at, to_step=previous + 1, checkpoint_id=m.checkpoint_id,
-            text=f"steps {resume_at}..{previous} are trained again")))
+            from_step=resume_at, to_step=previous + 1, checkpoint_id=m.checkpoint_id, attempt=cfg.attempt,
+            text=f"attempt {cfg.attempt} trains steps {resume_at}..{previous} again")))
     else:
         book.append(NewEntry(kind=EntryKind.RESTART, verdict=verdict, details=Details(
-            from_step=previous, to_step=resume_at, checkpoint_id=m.checkpoint_id,
-            text=f"attempt {cfg.attempt} restarts from {m.checkpoint_id}")))
+            from_step=previous, to_step=resume_at, checkpoint_id=m.checkpoint_id, determinism=recorded,
+            attempt=cfg.attempt, text=f"attempt {cfg.attempt} restarts from {m.checkpoint_id}")))
     if m.world_size != cfg.world_size:
         book.append(NewEntry(kind=EntryKind.WORLD_SIZE_CHANGE, verdict=verdict, details=Details(
-            old_world_size=m.world_size, new_world_size=cfg.world_size, checkpoint_id=m.checkpoint_id)))
+            old_world_size=m.world_size, new_world_size=cfg.world_size, checkpoint_id=m.checkpoint_id,
+            attempt=cfg.attempt)))
     if m.layout != cfg.layout:
         book.append(NewEntry(kind=EntryKind.LAYOUT_CHANGE, verdict=verdict, details=Details(
-            old_layout=str(m.layout), new_layout=str(cfg.layout), checkpoint_id=m.checkpoint_id)))
+            old_layout=str(m.layout), new_layout=str(cfg.layout), checkpoint_id=m.checkpoint_id,
+            attempt=cfg.attempt)))
 
 
 def resume(collector: Any, cfg: CanaryConfig, *, rank: int, groups: RankGroups, model: torch.nn.Module,

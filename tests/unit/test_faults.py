@@ -19,6 +19,7 @@ from rankwatch.trainer.faults import (
     FlipTarget,
     Hang,
     Kill,
+    Nudge,
     SkewData,
     SkewRng,
     Slow,
@@ -57,6 +58,7 @@ FULL: dict[FaultKind, tuple[str, Fault]] = {
         "slow_link:hosts=0-1,from=2,delay=0.1,until=8",
         SlowLink(host_a=0, host_b=1, from_step=2, delay_s=0.1, until_step=8),
     ),
+    FaultKind.NUDGE: ("nudge:param=2,index=7", Nudge(param=2, index=7)),
 }
 
 # The shortest valid spec per kind, and what it parses to (defaults filled in).
@@ -71,6 +73,7 @@ MINIMAL: dict[FaultKind, tuple[str, Fault]] = {
     FaultKind.THROTTLE: ("throttle:rank=0", Throttle(rank=0, delay_s=0.02, reason="thermal")),
     FaultKind.BAD_DEVICE: ("bad_device:host=0,index=1", BadDevice(host=0, index=1)),
     FaultKind.SLOW_LINK: ("slow_link:hosts=1-0,delay=0.1", SlowLink(host_a=1, host_b=0, delay_s=0.1)),
+    FaultKind.NUDGE: ("nudge:", Nudge()),
 }
 
 
@@ -243,6 +246,7 @@ def test_every_builder_adds_its_fault() -> None:
         .throttle(rank=0, from_step=3, delay_s=0.05, until_step=9, reason="power")
         .bad_device(host=1, index=2, from_step=5, delay_s=0.04, until_step=50, reason="power")
         .slow_link(hosts=(0, 1), from_step=2, delay_s=0.1, until_step=8)
+        .nudge(param=2, index=7)
     )
     assert f.faults == tuple(fault for _, fault in FULL.values())
 

@@ -21,6 +21,7 @@ from rankwatch.trainer.lineage import (
     NewEntry,
     Problem,
     Verdict,
+    check_lineage,
     comparability_of_resume,
     lineage_path,
     read,
@@ -172,8 +173,38 @@ def test_append_refuses_after_a_torn_or_forged_last_line(tmp_path: Path) -> None
         read(path)
     path.write_text(text)
     _edit(path, 5, "content")
-    with pytest.raises(ValueError, match="fails its hash"):
+    with pytest.raises(ValueError, match="seq 5 .*refusing to append"):
         Lineage(path).append(_entries()[0])
+
+
+@pytest.mark.parametrize("damage", ["edit_first", "delete_middle", "reorder"])
+def test_append_refuses_a_tampered_chain_anywhere_and_writes_nothing(tmp_path: Path, damage: str) -> None:
+    # only the last entry was checked before: an edited or deleted earlier entry was appended to
+    path = _write(tmp_path)
+    lines = path.read_text().splitlines(keepends=True)
+    if damage == "edit_first":
+        _edit(path, 0, "content")
+    elif damage == "delete_middle":
+        path.write_text("".join(lines[:2] + lines[3:]))
+    else:
+        path.write_text("".join([lines[1], lines[0], *lines[2:]]))
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="does not verify.*refusing to append"):
+        Lineage(path).append(_entries()[0])
+    assert path.read_bytes() == before
+    with pytest.raises(ValueError, match="does not verify"):
+        check_lineage(path)
+
+
+def test_entries_without_the_new_optional_details_keep_their_hash(tmp_path: Path) -> None:
+    # attempt and determinism were added to Details later: an entry that leaves them unset hashes as before
+    path = _write(tmp_path)
+    for line in path.read_text().splitlines():
+        assert '"attempt"' not in line and '"determinism"' not in line
+    e = Lineage(path).append(NewEntry(kind=EntryKind.REPLAY_VERIFIED, verdict=SAME,
+                                      details=Details(from_step=3, to_step=5, attempt=1, determinism='{"a":1}')))
+    assert verify(path).ok and e.details.attempt == 1
+    assert read(path)[-1].details.determinism == '{"a":1}'
 
 
 def test_new_entry_validation() -> None:

@@ -82,7 +82,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
               "data_position": 16, "param_count": 10}
         if rank == 3:
             fp["param_hash"] = "p-flipped"
-        write(run, Table.FINGERPRINTS, rank, [{"rank": rank, "step": 1, "wall_ns": T0, **fp}])
+        write(run, Table.FINGERPRINTS, rank, [{"rank": rank, "step": 1, "attempt": 0, "wall_ns": T0, **fp}])
         write(run, Table.GPU, rank, [{
             "rank": rank, "device_index": rank % 2, "device_uuid": f"GPU-{rank}", "pci_bus_id": f"0000:0{rank}:00.0",
             "source": "replay", "wall_ns": T0 + s * 100 * MS, "mono_ns": 0, "step": s,
