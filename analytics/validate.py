@@ -97,9 +97,9 @@ def check_folders(table_dir: Path) -> None:
     for name in sorted(names):
         if name.startswith(".") or name == ROLLUP_DIR:
             continue
+        if name.startswith(prefix) and name[len(prefix):].isdecimal():
+            continue  # a rank folder (not stat'ed: a tick lists thousands)
         path = table_dir / name
-        if name.startswith(prefix) and name[len(prefix):].isdecimal() and path.is_dir():
-            continue
         what = "folder" if path.is_dir() else "file"
         raise DamagedDataError(f"{path}: a {what} in a table folder that is not {prefix}<n>/ — its rows would not be "
                                f"read (a renamed or misplaced rank folder?); move it out of the run or name it "
