@@ -8,13 +8,14 @@ priority tables (GPU samples, phases) have smaller buffers, so they are dropped 
 
 A write that fails (a full disk: ENOSPC) removes its temporary file, puts its rows back in front of their buffer
 (as far as the bound allows; the rest are dropped and counted) and is retried at every flush, so the rows land once
-space frees. Evidence tables are written before low-priority ones, each table's part on its own: what fits is
-written. `close` keeps retrying for `SinkConfig.close_retry_s`; rows it still cannot write are counted as dropped
+space frees. Evidence tables are written before low-priority ones, each table's part on its own, and a part that
+does not fit is halved (oldest rows first) until what fits is written. `close` keeps retrying for `SinkConfig.close_retry_s`; rows it still cannot write are counted as dropped
 and named in a warning on stderr, the one record left when not even the events table can be written.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -47,6 +48,8 @@ SnapshotFn = Callable[[], Iterable[tuple[Table, Row]]]
 SourceFn = Callable[[], Mapping[Table, list[Row]]]
 
 _PART_RE = re.compile(r"^part-(\d+)\.parquet$")
+_MIN_SPLIT_ROWS = 64
+"""On a full disk a part is halved, oldest rows first, down to parts of about this many rows."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -386,11 +389,16 @@ class ParquetSink(Sink):
         for table in sorted(batches, key=lambda t: t in LOW_PRIORITY):  # evidence first: on a full disk it fits first
             rows = batches[table]
             try:
-                self._write_part(table, rows)
+                written = self._write_fitting(table, rows)
             except Exception as exc:
                 failed += 1
                 self._count_error(f"{table}: {type(exc).__name__}: {exc}")
                 self._requeue(table, rows)
+                continue
+            if written < len(rows):
+                failed += 1
+                self._count_error(f"{table}: disk full: {written} of {len(rows)} rows written")
+                self._requeue(table, rows[written:])
         if failed:
             self._failing += 1
         elif self._failing:
@@ -398,6 +406,24 @@ class ParquetSink(Sink):
                         self._rank, self._failing, self.write_errors)
             self._failing = 0
             self._logged = False
+
+    def _write_fitting(self, table: Table, rows: list[Row]) -> int:
+        """Write `rows` as one part or, when it does not fit (ENOSPC), as halves, oldest first, as far as they fit.
+        Returns how many rows were written (always the oldest); raises when not even the smallest part fits."""
+        try:
+            self._write_part(table, rows)
+            return len(rows)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or len(rows) < 2 * _MIN_SPLIT_ROWS:
+                raise
+        half = len(rows) // 2
+        written = self._write_fitting(table, rows[:half])
+        if written < half:
+            return written
+        try:
+            return half + self._write_fitting(table, rows[half:])
+        except OSError:
+            return half
 
     def _requeue(self, table: Table, rows: list[Row]) -> None:
         """Put rows that failed to write back in front of the buffer, as far as the bound allows."""

@@ -298,11 +298,20 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def _first_line(exc: BaseException) -> str:
-    if isinstance(exc, CheckpointException) and exc.failures:  # its str is a traceback per rank: name the first cause
-        rank, (cause, _) = min(exc.failures.items(), key=lambda kv: kv[0])
-        return f"{type(exc).__name__}: rank {rank}: {_first_line(cause)}"[:300]
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+class DcpSaveError(Exception):
+    """DCP's `CheckpointException` — a `BaseException` whose text is a traceback per rank — as an `Exception` whose
+    text is one line: the first failing rank and its error (``rank 1: OSError: [Errno 28] No space left on device``)."""
+
+    @classmethod
+    def of(cls, exc: CheckpointException) -> DcpSaveError:
+        if not exc.failures:
+            return cls(_first_line(exc))
+        rank, (cause, _) = min(exc.failures.items(), key=lambda kv: kv[0])
+        return cls(f"rank {rank}: {_first_line(cause)}")
 
 
 def _tree_size(path: Path) -> tuple[int, int]:
@@ -382,7 +391,10 @@ def save_checkpoint(
         fire(SavePoint.WRITE)
         with collector.checkpoint_phase(step, ckpt, CheckpointPhase.WRITE) as rec:
             # DCP's own collectives carry an error on any rank to every rank, so the ranks stay in step here
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(dcp_dir, sync_files=False), process_group=group)
+            try:
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(dcp_dir, sync_files=False), process_group=group)
+            except CheckpointException as exc:  # every rank gets it (DCP gathers the ranks' errors): a failed save
+                raise DcpSaveError.of(exc) from exc
             mine = sorted(p for p in dcp_dir.iterdir() if p.name.startswith(f"__{rank}_"))
             if rank == 0:
                 mine.append(dcp_dir / ".metadata")
@@ -397,7 +409,7 @@ def save_checkpoint(
                 files.append(ShardFile(path=p.relative_to(tmp).as_posix(), size=p.stat().st_size,
                                        sha256=sha256_file(p), rank=rank))
             rec.bytes = sum(f.size for f in files)
-    except (Exception, CheckpointException) as exc:  # an I/O failure here is reported to every rank below, not raised
+    except Exception as exc:  # an I/O failure here is reported to every rank below, not raised
         error = error or _first_line(exc)
         collector.event(EventKind.WARNING, exc_type=type(exc).__name__,
                         message=f"checkpoint {ckpt}: rank {rank} failed to write: {error}")

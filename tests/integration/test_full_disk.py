@@ -1,6 +1,8 @@
 """A full disk on real gloo ranks: the canary on a small tmpfs where telemetry and one checkpoint fit and a second
 checkpoint does not. The job goes on (the CheckpointConfig policy), the failed saves' partial files are removed and
-described in checkpoint_failed events, telemetry keeps its rows, and every reader answers on the full disk."""
+described in checkpoint_failed events, telemetry keeps its rows, and every reader answers on the full disk. And the
+sink alone on the same small disk: rows kept while it is full, what fits written when a little space frees, the rest
+once it all frees."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rankwatch.cli import main
-from rankwatch.collector.schema import COLUMNS, Table
+from rankwatch.collector.schema import COLUMNS, EventKind, Events, Table
 from rankwatch.collector.sink import ParquetSink, SinkConfig, partition_dir
 from rankwatch.trainer.catalog import CHECKPOINT_DIR, Verdict, list_checkpoints
 from rankwatch.trainer.model import ModelConfig
@@ -83,17 +85,21 @@ def test_a_full_disk_fails_saves_cleanly_keeps_telemetry_and_every_reader_answer
     assert rows(run_dir, "SELECT count(*) > 0 FROM collectives") == [(True,)]
     saves = rows(run_dir, "SELECT step, bool_and(ok) FROM checkpoint_phases GROUP BY step ORDER BY step")
     assert saves == [(9, True), (19, False), (29, False)]
+    errors = rows(run_dir, "SELECT DISTINCT error FROM checkpoint_phases WHERE NOT ok")
+    assert errors and all(e.startswith("DcpSaveError: rank ") and "\n" not in e for (e,) in errors), errors
     exits = rows(run_dir, "SELECT rank, exit_code, dropped_rows FROM events WHERE kind = 'exit' ORDER BY rank")
     assert exits == [(r, 0, 0) for r in range(4)]
 
     # each failed save is described on every rank; rank 0's event names the bytes it freed
-    failed = rows(run_dir, "SELECT rank, step, message FROM events WHERE kind = 'checkpoint_failed' ORDER BY step, rank")
+    failed = rows(run_dir, "SELECT rank, step, message FROM events WHERE kind = 'checkpoint_failed' "
+                           "ORDER BY step, rank")
     assert [(r, s) for r, s, _ in failed] == [(r, s) for s in (19, 29) for r in range(4)]
     freed = [int(m.group(1)) for r, _, msg in failed if r == 0 and (m := re.search(r"(\d+) bytes freed", msg))]
     assert len(freed) == 2 and all(f > 2**20 for f in freed), failed
     free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
     assert free > min(freed) // 2, (free, freed)  # the disk is not left full (telemetry written since takes some)
-    failed_writes = "SELECT count(DISTINCT rank) FROM events WHERE kind = 'warning' AND message LIKE 'telemetry writes failed%'"
+    failed_writes = ("SELECT count(DISTINCT rank) FROM events "
+                     "WHERE kind = 'warning' AND message LIKE 'telemetry writes failed%'")
     figures = (f"tmpfs {TMPFS_MB} MiB, bytes freed per failed save {freed}, {free} bytes free after the job, "
                f"{rows(run_dir, 'SELECT count(*) FROM collectives')[0][0]} collective rows, "
                f"{rows(run_dir, 'SELECT count(*) FROM checkpoint_phases')[0][0]} checkpoint-phase rows, "
@@ -135,15 +141,29 @@ def test_the_sink_keeps_rows_on_a_real_full_disk_and_writes_them_once_space_free
         assert sink.write_errors == 1 and "No space left on device" in (sink.last_write_error or "")
         assert sink.buffered_rows() == 3 and sink.dropped_total == 0
         assert not [p for p in small_disk.rglob("*") if p.name.startswith(".")]  # no temporary part left behind
+        os.truncate(filler, filler.stat().st_size - 2**16)  # 64 KiB free: a part of 4,000 rows does not fit, halves do
+        for i in range(4, 4004):
+            sink.append(Table.EVENTS, _event(i, message=os.urandom(32).hex()))
+        assert sink.flush(timeout_s=10)
+        written = _event_steps(run_dir)
+        assert written[:4] == [0, 1, 2, 3] and 4 < len(written) < 4004, len(written)
+        assert sink.buffered_rows() == 4004 - len(written) and sink.dropped_total == 0
+        # rows 1..3 waited too
+        assert sink.last_write_error == f"events: disk full: {len(written) - 1} of 4003 rows written"
         filler.unlink()
         assert sink.flush(timeout_s=10) and sink.buffered_rows() == 0
-        parts = sorted(partition_dir(run_dir, Table.EVENTS, 0).glob("part-*.parquet"))
-        assert [r["step"] for p in parts for r in pq.read_table(p).to_pylist()] == [0, 1, 2, 3]
+        assert _event_steps(run_dir) == list(range(4004))  # every row, in order
+        print(f"\nfull disk, sink: with 64 KiB free {len(written) - 4} of 4000 rows fitted; the rest once space freed")
     finally:
         sink.close(timeout_s=5)
 
 
-def _event(i: int) -> tuple[object, ...]:
-    values = {"rank": 0, "attempt": 0, "wall_ns": 1_700_000_000_000_000_000 + i, "mono_ns": i, "kind": "heartbeat",
-              "step": i}
-    return tuple(values.get(c.name) for c in COLUMNS[Table.EVENTS])
+def _event(i: int, message: str | None = None) -> tuple[object, ...]:
+    values = {Events.RANK: 0, Events.ATTEMPT: 0, Events.WALL_NS: 1_700_000_000_000_000_000 + i, Events.MONO_NS: i,
+              Events.KIND: str(EventKind.HEARTBEAT), Events.STEP: i, Events.MESSAGE: message}
+    return tuple(values.get(Events(c.name)) for c in COLUMNS[Table.EVENTS])
+
+
+def _event_steps(run_dir: Path) -> list[int]:
+    parts = sorted(partition_dir(run_dir, Table.EVENTS, 0).glob("part-*.parquet"))
+    return [int(r[Events.STEP]) for p in parts for r in pq.read_table(p).to_pylist()]

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from rankwatch.collector import Collector, CollectorConfig, MemorySink
-from rankwatch.collector.schema import EventKind, Events, Table, column_names
+from rankwatch.collector.schema import CheckpointPhases, EventKind, Events, Table, column_names
 from rankwatch.trainer import checkpoint as ckpt_mod
 from rankwatch.trainer.catalog import CHECKPOINT_DIR, Verdict, list_checkpoints
-from rankwatch.trainer.checkpoint import CheckpointConfig, SaveResult, current_versions, save_checkpoint
+from rankwatch.trainer.checkpoint import CheckpointConfig, DcpSaveError, SaveResult, current_versions, save_checkpoint
 from rankwatch.trainer.parallel import Layout
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,7 +71,7 @@ def test_a_checkpoint_exception_is_a_failed_save_that_frees_its_partial(
     result = _save(tmp_path, world_of_one, sink, 9)
 
     assert not result.ok and result.path is None
-    assert result.reason == "rank 0: CheckpointException: rank 0: OSError: [Errno 28] No space left on device"
+    assert result.reason == "rank 0: DcpSaveError: rank 0: OSError: [Errno 28] No space left on device"
     assert result.freed_bytes >= 300_000  # the DCP file, and the rank file written beside it
     assert sorted(p.name for p in (tmp_path / CHECKPOINT_DIR).iterdir()) == ["step-00000004"]
     assert [(c.step, c.verdict) for c in list_checkpoints(tmp_path, verify=True)] == [(4, Verdict.COMMITTED)]
@@ -83,11 +83,14 @@ def test_a_checkpoint_exception_is_a_failed_save_that_frees_its_partial(
     m = re.search(r"removed: (\d+) file\(s\), (\d+) bytes freed; (\d+) bytes free", message)
     assert m is not None and int(m.group(2)) == result.freed_bytes, message
     assert int(m.group(1)) >= 1
+    phases = [dict(zip(column_names(Table.CHECKPOINT_PHASES), r)) for r in sink.rows(Table.CHECKPOINT_PHASES)]
+    (write,) = [p for p in phases if not p[CheckpointPhases.OK]]  # one line, not DCP's traceback per rank
+    assert write[CheckpointPhases.ERROR] == result.reason.removeprefix("rank 0: ")
 
 
 def test_the_first_failing_rank_of_a_checkpoint_exception_is_named() -> None:
     failures: dict[int, Any] = {3: (OSError(28, "No space left on device"), traceback.StackSummary()),
                                 1: (RuntimeError("unexpected pos 704 vs 598\nmore"), traceback.StackSummary())}
-    line = ckpt_mod._first_line(CheckpointException("x", failures))
-    assert line == "CheckpointException: rank 1: RuntimeError: unexpected pos 704 vs 598"
+    line = ckpt_mod._first_line(DcpSaveError.of(CheckpointException("x", failures)))
+    assert line == "DcpSaveError: rank 1: RuntimeError: unexpected pos 704 vs 598"
 

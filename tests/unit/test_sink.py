@@ -594,3 +594,27 @@ def test_close_writes_the_rows_once_space_frees_within_its_retry_time(
 def test_sink_config_rejects_a_negative_close_retry() -> None:
     with pytest.raises(ValueError, match="close_retry_s"):
         SinkConfig(close_retry_s=-1.0)
+
+
+def test_a_part_that_does_not_fit_is_halved_until_what_fits_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_write, room = sink_mod.pq.write_table, [200]  # the disk holds 200 more rows, then is full
+
+    def small_disk(table: pa.Table, where: Any, **kwargs: Any) -> None:
+        if table.num_rows > room[0]:
+            raise OSError(28, "No space left on device")
+        room[0] -= table.num_rows
+        real_write(table, where, **kwargs)
+
+    monkeypatch.setattr(sink_mod.pq, "write_table", small_disk)
+    s = ParquetSink(tmp_path, 0, MANUAL)
+    rows = [_event(i) for i in range(300)]
+    for r in rows:
+        s.append(Table.EVENTS, r)
+    s.flush()
+    assert len(_read(tmp_path, Table.EVENTS)) == 150 and s.buffered_rows() == 150  # the oldest half fitted
+    assert s.last_write_error == "events: disk full: 150 of 300 rows written" and _hidden(tmp_path) == []
+    room[0] = 1000  # space frees
+    s.close()
+    assert _read(tmp_path, Table.EVENTS) == _dicts(Table.EVENTS, rows) and s.dropped_total == 0
