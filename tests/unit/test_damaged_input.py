@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rankwatch.cli import main
+from rankwatch.collector.rollup import MANIFEST, ROLLUP_DIR, rollup_all
 from rankwatch.collector.schema import (
     SCHEMA_VERSION_KEY,
     TELEMETRY_DIR,
@@ -160,6 +161,18 @@ def _version(value: bytes | None) -> Callable[[Path], None]:
             meta[SCHEMA_VERSION_KEY] = value
         pq.write_table(data.replace_schema_metadata(meta), path)
     return damage
+
+
+def _manifest(run: Path, text: str) -> None:
+    folder = _tel(run, Table.STEPS) / ROLLUP_DIR / "host=h0"
+    folder.mkdir(parents=True)
+    (folder / MANIFEST).write_text(text)
+
+
+def _host_part(run: Path, table: Table) -> Path:
+    """The first host part of `table` after one round of every host's rollup agent (rank parts kept)."""
+    rollup_all(run, delete=False)
+    return sorted((_tel(run, table) / ROLLUP_DIR).glob("host=*/part-*.parquet"))[0]
 
 
 def _incidents(run: Path, text: str) -> None:
@@ -314,6 +327,11 @@ DAMAGES = (
            "telemetry/events/rank=3/part-000001.parquet", level=WARNING),
     Damage("unknown table folder", lambda r: shutil.copytree(_tel(r, S), r / TELEMETRY_DIR / "stepz"),
            "not a telemetry table", "telemetry/stepz", level=WARNING),
+    # host rollups
+    Damage("rollup manifest not JSON", lambda r: _manifest(r, '{"cut'), "unreadable rollup manifest",
+           "telemetry/steps/_rollup/host=h0/_manifest.json"),
+    Damage("host part with negative durations", lambda r: _rewrite(_host_part(r, S), _negate(Steps.DURATION_NS)),
+           "negative duration_ns", "telemetry/steps/_rollup/host="),
     # the checkpoint catalog (read by checkpoints and recover; the telemetry commands are not concerned)
     Damage("checkpoint folder is a file", lambda r: (r / CHECKPOINT_DIR).write_text(""), "not a folder",
            CHECKPOINT_DIR, level=UNAFFECTED, levels={"checkpoints": ERROR}),
