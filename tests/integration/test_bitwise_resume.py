@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -141,12 +142,19 @@ def test_outside_sigkill_then_resume_is_bitwise(tmp_path: Path, layout: str, see
     assert checked and all(e.verdict.comparability is Comparability.BITWISE_IDENTICAL_EXPECTED for e in checked)
 
 
+def _failed_dp4(run_dir: Path, **kw: Any) -> CanaryConfig:
+    """A dp=4 job of 8 steps whose rank 2 exited at step 7 (checkpoints after steps 2 and 5): what a resume
+    replays from step-00000005."""
+    base = canary(run_dir, layout="dp=4", steps=8, checkpoint_every=EVERY, fingerprint_every=0, seed=3,
+                  pg_timeout_s=8.0, **kw)
+    _fail(base, rank=2, step=7)
+    return base
+
+
 @pytest.mark.timeout(300)
 def test_a_replay_nudged_by_one_ulp_is_caught_by_replay_verification_alone(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    base = canary(run_dir, layout="dp=4", steps=8, checkpoint_every=EVERY, fingerprint_every=0, seed=3,
-                  pg_timeout_s=8.0)
-    _fail(base, rank=2, step=7)
+    base = _failed_dp4(run_dir)
     nudged = run(replace(base, resume=True, faults=Faults().nudge(param=1, index=3)))
     assert nudged.ok, nudged
     ckpt_step = 7 // EVERY * EVERY - 1  # step-00000005: the replay starts at 6
@@ -180,9 +188,7 @@ def test_unpinned_ddp_buckets_break_a_dp4_replay_and_verification_says_so(tmp_pa
     backward. Without pinning, the replay differs from the first attempt from its first step — and the product
     notices by itself."""
     run_dir = tmp_path / "run"
-    base = canary(run_dir, layout="dp=4", steps=8, checkpoint_every=EVERY, fingerprint_every=0, seed=3,
-                  pg_timeout_s=8.0, pin_ddp_buckets=False, model=ModelConfig())  # buckets of the default size
-    _fail(base, rank=2, step=7)
+    base = _failed_dp4(run_dir, pin_ddp_buckets=False, model=ModelConfig())  # buckets of the default size
     resumed = run(replace(base, resume=True))
     assert resumed.ok, resumed
     [check] = resumed.replay

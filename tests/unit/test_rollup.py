@@ -31,7 +31,7 @@ from rankwatch.collector.rollup import (
     rollup_all,
     run_agent,
 )
-from rankwatch.collector.schema import PARTITION_KEY, SCHEMA_VERSION_KEY, TELEMETRY_DIR, Table
+from rankwatch.collector.schema import PARTITION_KEY, SCHEMA_VERSION, SCHEMA_VERSION_KEY, TELEMETRY_DIR, Table
 from rankwatch.collector.sink import ParquetSink, SinkConfig
 from rankwatch.simulator import SimConfig, parse_sim_fault, simulate, split_tail
 from rankwatch.trainer.parallel import Layout
@@ -127,7 +127,7 @@ def test_rollup_merges_every_table_into_one_host_part_with_the_same_rows(run: Pa
             assert t.rank_parts == sum(len(before[t.table][r]) for r in res.ranks)
             covers = json.loads(pq.read_schema(t.part).metadata[COVERS_KEY])
             assert sum(k for _, _, k in covers) == t.rows == pq.read_metadata(t.part).num_rows
-            assert pq.read_schema(t.part).metadata[SCHEMA_VERSION_KEY] == b"1"
+            assert pq.read_schema(t.part).metadata[SCHEMA_VERSION_KEY] == str(SCHEMA_VERSION).encode()
     assert _rows(run) == truth
     for table in Table:
         listing = list_parts(run, table)
