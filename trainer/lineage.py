@@ -222,7 +222,7 @@ class Lineage:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                _check(self.path, _verify_bytes(_read_all(fd)))
+                _check(self.path, _verify_bytes(_read_all(fd)), "refusing to append to a tampered lineage")
                 last = self._last(fd)
                 entry = _seal(new, 0 if last is None else last.seq + 1, GENESIS if last is None else last.hash)
                 data = entry.to_line().encode()
@@ -307,18 +307,19 @@ def _read_all(fd: int) -> bytes:
     return os.pread(fd, size, 0) if size else b""
 
 
-def _check(path: Path, result: VerifyResult) -> None:
+def _check(path: Path, result: VerifyResult, consequence: str) -> None:
     if not result.ok:
         raise ValueError(f"{path}: lineage does not verify at seq {result.broken_seq} ({result.problem}: {result.why});"
-                         " refusing to append to a tampered lineage")
+                         f" {consequence}")
 
 
-def check_lineage(path: Path) -> VerifyResult:
-    """`verify`, as a one-line ValueError naming the file when the chain is broken (a missing file is fine)."""
+def check_lineage(path: Path, *, consequence: str = "its entries cannot be trusted") -> VerifyResult:
+    """`verify`, as a one-line ValueError naming the file and `consequence` when the chain is broken (a missing
+    file is fine)."""
     if path.exists() and not path.is_file():
         raise ValueError(f"{path}: not a file")
     result = verify(path)
-    _check(path, result)
+    _check(path, result, consequence)
     return result
 
 

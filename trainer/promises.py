@@ -92,7 +92,10 @@ def _covering(checks: tuple[ReplayCheck, ...], attempt: int | None, lo: int, hi:
 
 
 def evaluate(run_dir: Path) -> RunVerdict:
-    """Verify the lineage chain (a ValueError naming the file when broken), then judge every promise."""
+    """Verify the lineage chain (a ValueError naming the file when broken), then judge every promise. A run
+    directory that does not exist is a ValueError, not an empty lineage."""
+    if not Path(run_dir).is_dir():
+        raise ValueError(f"{run_dir}: not a run directory (does not exist or is not a directory)")
     path = lineage_path(Path(run_dir))
     check_lineage(path)
     entries = read_lineage(path)

@@ -153,7 +153,7 @@ def preflight(run_dir: Path) -> None:
         raise ValueError(f"{run}: not a directory")
     if not read_launches(run):
         raise ValueError(f"{run / RUN_FILE}: records no launch")
-    check_lineage(lineage_path(run))
+    check_lineage(lineage_path(run), consequence="refusing to resume a run whose lineage was tampered with")
     if not (run / CHECKPOINT_DIR).is_dir():
         raise ValueError(f"{run / CHECKPOINT_DIR}: no checkpoints folder — nothing to resume from")
 

@@ -93,3 +93,23 @@ def test_config_from_run_names_a_record_of_the_wrong_shape(tmp_path: Path) -> No
                                                           "collector": True, "model": 3}]}))
     with pytest.raises(ValueError, match="run.json: launch record of the wrong shape"):
         config_from_run(run)
+
+
+def test_lineage_command_verifies_the_chain_and_lists_promises(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _good_run(tmp_path / "run")
+    assert main(["lineage", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "3 entries, chain verified; run bitwise_identical_expected" in out
+    assert out.count(": not_checkable: a restart trains no step twice") == 3
+    path = lineage_path(run)
+    path.write_text(path.read_text().replace('"to_step":2', '"to_step":9', 1))
+    before = path.read_bytes()
+    assert main(["lineage", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rankwatch lineage: error: {path}: lineage does not verify at seq 1 (edited")
+    assert len(err.splitlines()) == 1 and path.read_bytes() == before
+    assert main(["lineage", str(tmp_path / "nothing")]) == 2
+    assert "nothing: not a run directory" in capsys.readouterr().err
+    (tmp_path / "fresh").mkdir()
+    assert main(["lineage", str(tmp_path / "fresh")]) == 0
+    assert "no lineage entries" in capsys.readouterr().out
