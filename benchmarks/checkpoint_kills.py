@@ -1,9 +1,11 @@
 """SIGKILL one rank of the canary at a random instant of a checkpoint save, many times: no loader may ever accept a
 partial checkpoint.
 
-    .venv/bin/python benchmarks/checkpoint_kills.py [--trials 40] [--seed 0] [--jobs 1] [--uniform-only] [--keep DIR]
+    .venv/bin/python benchmarks/checkpoint_kills.py [--layout dp=2,tp=2] [--trials 40] [--seed 0] [--jobs 1]
+                                                    [--every 1,2] [--uniform-only] [--keep DIR]
 
-Each trial runs the real canary (4 gloo ranks, dp=2,tp=2, the tests' small model, a checkpoint every 1 or 2 steps)
+Each trial runs the real canary (4 gloo ranks, dp=2,tp=2 or the ``--layout`` given, e.g. ``dp=4``; the tests' small
+model, a checkpoint every 1 or 2 steps)
 and kills one randomly chosen rank from outside, with SIGKILL, during its fourth save (three committed checkpoints
 precede it, so a commit of it also prunes the oldest). The killer is a thread of this process: it reads the ranks'
 pids from the topology table, watches ``checkpoints/`` every millisecond and times the saves before the target one
@@ -29,10 +31,28 @@ After each trial the catalog must hold: every finished name COMMITTED and SHA-25
 PARTIAL, the chosen checkpoint the newest committed one and never a temporary, the checkpoints older than the
 target intact (only the oldest may be gone, and only when the target committed, by retention). Each committed
 directory is also checked without the catalog's code: its manifest parsed as plain JSON, every listed file's size
-and SHA-256 recomputed, no file on disk that the manifest does not list. Then one fresh 4-rank gloo job loads every
-trial's chosen checkpoint with `load_checkpoint` (verify on) into a new model and optimizer, and each rank's
-state (parameters, optimizer, RNG hashes, data position) must equal what an uninterrupted run of the same config
-fingerprinted after that step. Exit status 1 on any violation, 2 when a trial could not be run as planned.
+and SHA-256 recomputed, no file on disk that the manifest does not list. Then one fresh gloo job (the layout's
+ranks) loads every trial's chosen checkpoint with `load_checkpoint` (verify on) into a new model and optimizer, and
+each rank's state (parameters, optimizer, RNG hashes, data position) must equal what an uninterrupted run of the
+same config fingerprinted after that step.
+
+Last, every killed run is resumed: launched again in its own directory with ``resume=True`` (it loads the newest
+usable checkpoint, the one the catalog check chose, and trains to the configured last step, one more save included),
+`jobs` at a time. Each rank's state after the last step, as its latest attempt fingerprinted it, must be bitwise the
+uninterrupted run's (the canary fingerprints the last step even with ``fingerprint_every`` off). The launch's replay
+verification is recorded per trial: where the killed attempt had fingerprinted a step the resume trains again (the
+first step after the chosen checkpoint, fingerprinted by the ranks that had flushed it), one check that held or
+broke; none where it had not (the target committed and no rank finished the next step before the kill). The summary
+counts the resumed runs, the bitwise-equal final states and the replay checks held / broken / none. At dp >= 4 this
+is bitwise only because the canary pins DDP's gradient buckets (``CanaryConfig.pin_ddp_buckets``): each fresh
+process would otherwise reduce its first step in another bucket order. Exit status 1 on any violation (a resume that
+fails or ends elsewhere included), 2 when a trial could not be run as planned.
+
+Measured 2026-12-01 (docs/benchmarks.md has the tables): ``--layout dp=4 --trials 10`` (573 s) loaded 10/10
+chosen checkpoints into the uninterrupted state, resumed 10/10 killed runs to a bitwise-equal final state on every
+rank, replay checks held 5, broken 0, none 5, no partial accepted, 0 violations; ``--layout dp=4 --trials 6``
+(534 s) 6/6 and 6/6, replay held 4, broken 0, none 2; the default dp=2,tp=2 with ``--trials 4`` (322 s) 4/4 and
+4/4, replay held 3, broken 0, none 1.
 """
 
 from __future__ import annotations
@@ -55,7 +75,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rankwatch.collector.schema import (
     CheckpointPhase, CheckpointPhases, Fingerprints, Steps, Table, Topology,
@@ -65,7 +85,11 @@ from rankwatch.trainer.catalog import (
 )
 from rankwatch.trainer.parallel import Layout
 
-LAYOUT = Layout(dp=2, tp=2)
+if TYPE_CHECKING:
+    from rankwatch.trainer.promises import ReplayCheck
+
+DEFAULT_LAYOUT = Layout(dp=2, tp=2)
+"""The campaign's layout unless ``--layout`` says otherwise."""
 TARGET_SAVE = 3
 """0-based index of the save that is killed: three committed checkpoints precede it, so its commit prunes one."""
 KEEP_LAST = 3
@@ -135,10 +159,12 @@ class TrialPlan:
     fraction: float
     """Where in the zone the instant falls, in [0, 1)."""
     zone: Zone = Zone.SAVE
+    layout: Layout = DEFAULT_LAYOUT
+    """The canary's layout (every trial of a campaign has the same)."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.rank < LAYOUT.world_size:
-            raise ValueError(f"trial {self.index}: rank {self.rank} outside world of {LAYOUT.world_size}")
+        if not 0 <= self.rank < self.layout.world_size:
+            raise ValueError(f"trial {self.index}: rank {self.rank} outside world of {self.layout.world_size}")
         if self.every < 1:
             raise ValueError(f"trial {self.index}: checkpoint_every must be >= 1, got {self.every}")
         if not 0.0 <= self.fraction < 1.0:
@@ -158,10 +184,12 @@ class TrialPlan:
         return self.save_step(TARGET_SAVE + 1) + 1
 
 
-def plan_trials(n: int, seed: int, everies: Sequence[int] = (1, 2), *, uniform_only: bool = False) -> list[TrialPlan]:
+def plan_trials(n: int, seed: int, everies: Sequence[int] = (1, 2), *, uniform_only: bool = False,
+                layout: Layout = DEFAULT_LAYOUT) -> list[TrialPlan]:
     rng = random.Random(seed)
-    return [TrialPlan(index=i, rank=rng.randrange(LAYOUT.world_size), every=rng.choice(list(everies)),
-                      fraction=rng.random(), zone=Zone.SAVE if uniform_only else ZONE_PATTERN[i % len(ZONE_PATTERN)])
+    return [TrialPlan(index=i, rank=rng.randrange(layout.world_size), every=rng.choice(list(everies)),
+                      fraction=rng.random(), zone=Zone.SAVE if uniform_only else ZONE_PATTERN[i % len(ZONE_PATTERN)],
+                      layout=layout)
             for i in range(n)]
 
 
@@ -251,15 +279,16 @@ class _Killer(threading.Thread):
         from rankwatch.analytics.store import connect, part_files
 
         sql = f"SELECT {Topology.RANK}, {Topology.PID} FROM {Table.TOPOLOGY}"
+        world = self.plan.layout.world_size
         while not self.done.is_set():
             time.sleep(0.05)
             try:  # a glob is cheap; a DuckDB connection only once every rank has a topology part
-                if len(part_files(self.run_dir, Table.TOPOLOGY)) < LAYOUT.world_size:
+                if len(part_files(self.run_dir, Table.TOPOLOGY)) < world:
                     continue
                 pids = dict(connect(self.run_dir, check=False).execute(sql).fetchall())
             except (RunDirError, duckdb.Error):  # nothing recorded yet
                 continue
-            if len(pids) == LAYOUT.world_size:
+            if len(pids) == world:
                 return {int(r): int(p) for r, p in pids.items()}
         return None
 
@@ -340,7 +369,7 @@ def classify(plan: TrialPlan, kill: Kill | None, run_dir: Path, *, committed: bo
         oldest = plan.save_step(TARGET_SAVE - KEEP_LAST)
         pruning = r == 0 and ((root / checkpoint_id(oldest)).exists() or
                               (root / f".{checkpoint_id(oldest)}.deleting").exists())
-        if len(ends) == LAYOUT.world_size - 1 and kill.wall_ns > max(ends) and not pruning:
+        if len(ends) == plan.layout.world_size - 1 and kill.wall_ns > max(ends) and not pruning:
             return Landing.AFTER, "the saving step had ended on every survivor"
         return Landing.AFTER_COMMIT, "prune not finished" if pruning else "checkpoint visible"
     late = " (rank 0 committed it after the kill)" if committed else ""
@@ -446,7 +475,7 @@ def check_catalog(run_dir: Path, plan: TrialPlan, *, history: bool = True) -> Ca
         bad.append(f"temporaries on disk {sorted(on_disk_tmps)} but listed {sorted(listed_tmps)}")
     chosen: Candidate | None = None
     try:
-        chosen = choose(run_dir, layout=LAYOUT, world_size=LAYOUT.world_size)
+        chosen = choose(run_dir, layout=plan.layout, world_size=plan.layout.world_size)
     except ValueError as exc:
         if history or committed:
             bad.append(f"nothing chosen: {exc}")
@@ -473,6 +502,26 @@ def check_catalog(run_dir: Path, plan: TrialPlan, *, history: bool = True) -> Ca
 
 # -- one trial --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ResumeResult:
+    """The killed run launched again with ``resume=True`` and trained to its last step."""
+
+    exit_codes: tuple[int | None, ...]
+    """Of the resumed job; empty when the launcher refused the run directory."""
+    replay: tuple[ReplayCheck, ...]
+    """The launch's replay verification: the replayed steps against the killed attempt's fingerprints."""
+    warnings: tuple[str, ...]
+    """The launcher's (e.g. replay verification not recorded)."""
+    violations: tuple[str, ...]
+    """Resume failed, or a rank's state after the last step differs from the uninterrupted run's."""
+    duration_s: float
+
+    @property
+    def final_equal(self) -> bool:
+        """Every rank ended bitwise where the uninterrupted run ended."""
+        return not self.violations
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrialResult:
     plan: TrialPlan
     run_dir: Path
@@ -490,10 +539,12 @@ class TrialResult:
     """Filled in after the load job."""
     loaded: bool = False
     """Every rank loaded the catalog's choice into the uninterrupted run's state."""
+    resume: ResumeResult | None = None
+    """The killed run resumed to its last step (after the load job); None when not resumed."""
 
     @property
     def violations(self) -> tuple[str, ...]:
-        return self.check.violations + self.load_violations
+        return self.check.violations + self.load_violations + (self.resume.violations if self.resume else ())
 
     @property
     def target_committed(self) -> bool:
@@ -505,12 +556,12 @@ class TrialResult:
         return k is not None and (k.before.committed or (k.rank == 0 and k.at_death.committed))
 
 
-def canary_config(run_dir: Path, *, every: int, steps: int, fingerprint_every: int = 50) -> Any:
+def canary_config(run_dir: Path, *, layout: Layout, every: int, steps: int, fingerprint_every: int = 50) -> Any:
     """The trials' canary: the tests' small model and short timeouts (`tests/support.py canary`)."""
     from rankwatch.trainer import CanaryConfig
     from rankwatch.trainer.model import ModelConfig
 
-    return CanaryConfig(run_dir=run_dir, steps=steps, layout=LAYOUT, gpu="off", pg_timeout_s=8.0,
+    return CanaryConfig(run_dir=run_dir, steps=steps, layout=layout, gpu="off", pg_timeout_s=8.0,
                         flush_interval_s=0.5, heartbeat_interval_s=0.25, checkpoint_every=every,
                         fingerprint_every=fingerprint_every, model=ModelConfig(d_model=64, d_hidden=256, blocks_per_stage=2))
 
@@ -527,8 +578,8 @@ def run_trial(plan: TrialPlan, root: Path, *, attempts: int = 2) -> TrialResult:
         killer = _Killer(run_dir, plan, done)
         killer.start()
         try:
-            result = launch(canary_config(run_dir, every=plan.every, steps=plan.steps), timeout_s=150,
-                            failure_grace_s=3.0, term_grace_s=1.0)
+            cfg = canary_config(run_dir, layout=plan.layout, every=plan.every, steps=plan.steps)
+            result = launch(cfg, timeout_s=150, failure_grace_s=3.0, term_grace_s=1.0)
         finally:
             done.set()
             killer.join(10.0)
@@ -552,7 +603,7 @@ _STATE_COLUMNS = (Fingerprints.DATA_POSITION, Fingerprints.PARAM_HASH, Fingerpri
                   Fingerprints.RNG_PYTHON_HASH, Fingerprints.RNG_NUMPY_HASH, Fingerprints.RNG_TORCH_HASH)
 
 
-def _load_rank(rank: int, run_dirs: list[str], port: int, out: str) -> None:
+def _load_rank(rank: int, layout: Layout, run_dirs: list[str], port: int, out: str) -> None:
     """One rank of a fresh job: for each run, choose as a resume would, load with verification into a new model
     and optimizer (RNGs scrambled first), and report the loaded state's fingerprint."""
     import numpy as np
@@ -565,23 +616,23 @@ def _load_rank(rank: int, run_dirs: list[str], port: int, out: str) -> None:
     from rankwatch.trainer.model import ModelConfig, Stage
 
     torch.set_num_threads(1)
-    world = LAYOUT.world_size
+    world = layout.world_size
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    _, tp, pp = LAYOUT.coords(rank)
+    _, tp, pp = layout.coords(rank)
     collector = NullCollector(rank=rank, world_size=world)
     report: list[dict[str, Any]] = []
     for run_dir in run_dirs:
         entry: dict[str, Any] = {"run_dir": run_dir}
         try:
-            model = Stage(ModelConfig(d_model=64, d_hidden=256, blocks_per_stage=2), seed=99, pp=pp, pp_size=LAYOUT.pp,
-                          tp=tp, tp_size=LAYOUT.tp)
+            model = Stage(ModelConfig(d_model=64, d_hidden=256, blocks_per_stage=2), seed=99, pp=pp, pp_size=layout.pp,
+                          tp=tp, tp_size=layout.tp)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             random.seed(1234 + rank)
             np.random.seed(1234 + rank)
             torch.manual_seed(1234 + rank)
-            candidate = choose(Path(run_dir), layout=LAYOUT, world_size=world)
-            loaded = load_checkpoint(collector, candidate, rank=rank, layout=LAYOUT, group=dist.group.WORLD,
+            candidate = choose(Path(run_dir), layout=layout, world_size=world)
+            loaded = load_checkpoint(collector, candidate, rank=rank, layout=layout, group=dist.group.WORLD,
                                      model=model, optimizer=optimizer, verify=True)
             fp = fingerprint(model, optimizer)
             entry.update(chosen=candidate.path.name, step=loaded.step, state=[
@@ -594,34 +645,49 @@ def _load_rank(rank: int, run_dirs: list[str], port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def load_all(run_dirs: Sequence[Path], out: Path) -> dict[str, list[dict[str, Any]]]:
-    """Run the load job over `run_dirs`; per run directory, each rank's report."""
+def load_all(run_dirs: Sequence[Path], out: Path, layout: Layout) -> dict[str, list[dict[str, Any]]]:
+    """Run the load job (`layout`'s ranks) over `run_dirs`; per run directory, each rank's report."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
     out.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, LAYOUT.world_size, is_master=True, wait_for_workers=False)
-    mp.start_processes(_load_rank, args=([str(d) for d in run_dirs], store.port, str(out)), nprocs=LAYOUT.world_size,
-                       start_method="spawn")
+    store = dist.TCPStore("127.0.0.1", 0, layout.world_size, is_master=True, wait_for_workers=False)
+    mp.start_processes(_load_rank, args=(layout, [str(d) for d in run_dirs], store.port, str(out)),
+                       nprocs=layout.world_size, start_method="spawn")
     by_run: dict[str, list[dict[str, Any]]] = {str(d): [] for d in run_dirs}
-    for rank in range(LAYOUT.world_size):
+    for rank in range(layout.world_size):
         for entry in json.loads((out / f"rank-{rank}.json").read_text()):
             by_run[entry["run_dir"]].append(entry)
     return by_run
 
 
-def reference_states(root: Path, every: int, steps: int) -> dict[tuple[int, int], list[Any]]:
-    """(step, rank) -> fingerprinted state after that step, from an uninterrupted run of the trials' config."""
-    from rankwatch.analytics.store import connect
+def reference_states(root: Path, layout: Layout, every: int, steps: int, *,
+                     attempts: int = 2) -> dict[tuple[int, int], list[Any]]:
+    """(step, rank) -> fingerprinted state after that step, every step up to the last (``steps - 1``, where a resumed
+    trial ends), from an uninterrupted run of the trials' config; a failed run (e.g. a rendezvous timing out on an
+    overloaded machine) is run again in its own directory, up to `attempts` runs in all."""
     from rankwatch.trainer import launch
 
-    run_dir = root / f"reference-every{every}"
-    result = launch(canary_config(run_dir, every=every, steps=steps, fingerprint_every=1), timeout_s=150)
-    if not result.ok:
-        raise RuntimeError(f"reference run {run_dir} failed: exit codes {result.exit_codes}")
+    for attempt in range(attempts):
+        run_dir = root / (f"reference-every{every}" + (f"-again{attempt}" if attempt else ""))
+        result = launch(canary_config(run_dir, layout=layout, every=every, steps=steps, fingerprint_every=1),
+                        timeout_s=150)
+        if result.ok:
+            return _fingerprinted_states(run_dir)
+    raise RuntimeError(f"reference run {run_dir} failed {attempts} times: last exit codes {result.exit_codes}")
+
+
+def _fingerprinted_states(run_dir: Path, step: int | None = None) -> dict[tuple[int, int], list[Any]]:
+    """(step, rank) -> state fingerprinted after that step (only `step`, if given) by the latest attempt that
+    trained it."""
+    from rankwatch.analytics.store import connect
+
     cols = ", ".join(_STATE_COLUMNS)
+    where = "" if step is None else f"WHERE {Fingerprints.STEP} = {int(step)} "
     rows = connect(run_dir).execute(
-        f"SELECT {Fingerprints.STEP}, {Fingerprints.RANK}, {cols} FROM {Table.FINGERPRINTS}").fetchall()
+        f"SELECT {Fingerprints.STEP}, {Fingerprints.RANK}, {cols} FROM {Table.FINGERPRINTS} {where}"
+        f"QUALIFY row_number() OVER (PARTITION BY {Fingerprints.STEP}, {Fingerprints.RANK} "
+        f"ORDER BY {Fingerprints.ATTEMPT} DESC, {Fingerprints.WALL_NS} DESC) = 1").fetchall()
     return {(int(s), int(r)): list(rest) for s, r, *rest in rows}
 
 
@@ -636,8 +702,9 @@ def check_loads(results: Sequence[TrialResult], loads: dict[str, list[dict[str, 
         bad: list[str] = []
         entries = loads.get(str(t.run_dir), [])  # in rank order
         chosen = t.check.chosen
-        if len(entries) != LAYOUT.world_size:
-            bad.append(f"load job reported {len(entries)} of {LAYOUT.world_size} ranks")
+        world = t.plan.layout.world_size
+        if len(entries) != world:
+            bad.append(f"load job reported {len(entries)} of {world} ranks")
         for rank, e in enumerate(entries):
             if "error" in e:
                 bad.append(f"load failed on a rank: {e['error']}")
@@ -650,6 +717,50 @@ def check_loads(results: Sequence[TrialResult], loads: dict[str, list[dict[str, 
                 bad.append(f"rank {rank}: state loaded from {e['chosen']} differs from the uninterrupted run's")
         out.append(replace(t, load_violations=tuple(bad), loaded=not bad))
     return out
+
+
+# -- resuming every killed run ---------------------------------------------------------------------------
+def resume_trial(t: TrialResult, reference: dict[tuple[int, int], list[Any]]) -> TrialResult:
+    """Launch a killed trial's run again with ``resume=True`` (it loads the newest usable checkpoint, the one the
+    catalog check chose) and train to the last step: each rank's state there, as its latest attempt fingerprinted
+    it, must equal `reference`'s (the uninterrupted run of the same config). Trials without a kill or a chosen
+    checkpoint are returned as they are."""
+    import duckdb
+
+    from rankwatch.trainer import launch
+
+    if t.kill is None or t.check.chosen is None:
+        return t
+    plan = t.plan
+    cfg = canary_config(t.run_dir, layout=plan.layout, every=plan.every, steps=plan.steps)
+    start = time.monotonic()
+    codes: tuple[int | None, ...] = ()
+    replay: tuple[ReplayCheck, ...] = ()
+    warnings: tuple[str, ...] = ()
+    bad: list[str] = []
+    try:
+        result = launch(replace(cfg, resume=True), timeout_s=150, term_grace_s=1.0)
+        codes, replay, warnings = result.exit_codes, result.replay, result.warnings
+        if not result.ok:
+            bad.append(f"resume failed: exit codes {codes}")
+    except ValueError as exc:  # the preflight refused the run directory
+        bad.append(f"resume refused: {exc}")
+    last = plan.steps - 1
+    if not bad:
+        try:
+            final = _fingerprinted_states(t.run_dir, last)
+        except (ValueError, duckdb.Error) as exc:  # the analytics error tree is ValueError's
+            bad.append(f"fingerprints after the resume unreadable: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+            final = {}
+        for rank in range(plan.layout.world_size) if not bad else ():
+            got = final.get((last, rank))
+            if got is None:
+                bad.append(f"rank {rank}: no fingerprint of step {last} after the resume")
+            elif got != reference.get((last, rank)):
+                bad.append(f"rank {rank}: state after step {last} of the resumed run differs from the uninterrupted "
+                           "run's")
+    return replace(t, resume=ResumeResult(exit_codes=codes, replay=replay, warnings=warnings, violations=tuple(bad),
+                                          duration_s=time.monotonic() - start))
 
 
 # -- a campaign ------------------------------------------------------------------------------------------
@@ -669,6 +780,17 @@ class Summary:
     """Target committed by rank 0 although a peer died before the commit."""
     loaded: int
     """Trials whose chosen checkpoint loaded, on every rank, into the uninterrupted run's state."""
+    resumed: int
+    """Killed runs launched again with ``resume=True``."""
+    resumed_ok: int
+    """Of those, the resumed job exited 0 on every rank."""
+    final_equal: int
+    """Resumed runs whose every rank ended bitwise in the uninterrupted run's state."""
+    replay_held: int
+    """Replay checks of the resumes that held (every replayed fingerprint bitwise equal to the killed attempt's)."""
+    replay_broken: int
+    replay_none: int
+    """Resumed runs without a replay check (the killed attempt had fingerprinted no step the resume trained)."""
     violations: int
     not_as_planned: int
     rerun: int
@@ -676,9 +798,16 @@ class Summary:
 
 
 def run_campaign(plans: Sequence[TrialPlan], root: Path, *, jobs: int = 1,
-                 on_trial: Callable[[TrialResult], None] | None = None) -> list[TrialResult]:
-    """Reference runs, the trials (`jobs` at a time), one load job over every trial; results in plan order."""
-    reference = {e: reference_states(root, e, max(p.steps for p in plans if p.every == e))
+                 on_trial: Callable[[TrialResult], None] | None = None,
+                 on_resume: Callable[[TrialResult], None] | None = None) -> list[TrialResult]:
+    """Reference runs, the trials (`jobs` at a time), one load job over every trial, then every killed run resumed
+    to its last step (`jobs` at a time; after the load job, which must see the checkpoints as the kill left them);
+    results in plan order."""
+    layouts = {p.layout for p in plans}
+    if len(layouts) != 1:
+        raise ValueError(f"a campaign runs one layout, the plans have {sorted(map(str, layouts))}")
+    [layout] = layouts
+    reference = {e: reference_states(root, layout, e, max(p.steps for p in plans if p.every == e))
                  for e in sorted({p.every for p in plans})}
     results: list[TrialResult] = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -686,14 +815,22 @@ def run_campaign(plans: Sequence[TrialPlan], root: Path, *, jobs: int = 1,
             results.append(r)
             if on_trial is not None:
                 on_trial(r)
-    loads = load_all([r.run_dir for r in results if r.check.chosen is not None], root / "loads")
-    return check_loads(results, loads, reference)
+    loads = load_all([r.run_dir for r in results if r.check.chosen is not None], root / "loads", layout)
+    loaded = check_loads(results, loads, reference)
+    resumed: list[TrialResult] = []
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for r in pool.map(lambda t: resume_trial(t, reference[t.plan.every]), loaded):
+            resumed.append(r)
+            if on_resume is not None and r.resume is not None:
+                on_resume(r)
+    return resumed
 
 
 def summarize(results: Sequence[TrialResult]) -> Summary:
     landings = Counter(r.landing for r in results)
     uniform = Counter(r.landing for r in results if r.plan.zone is Zone.SAVE)
     accepted = sum(1 for r in results if r.check.accepted_partial)
+    resumes = [r.resume for r in results if r.resume is not None]
     return Summary(
         trials=len(results), landings={k: landings.get(k, 0) for k in Landing},
         landings_uniform={k: uniform.get(k, 0) for k in Landing},
@@ -702,6 +839,11 @@ def summarize(results: Sequence[TrialResult]) -> Summary:
         committed_after_kill=sum(1 for r in results if r.target_committed and r.kill is not None
                                  and not r.committed_at_kill),
         loaded=sum(1 for r in results if r.loaded),
+        resumed=len(resumes), resumed_ok=sum(1 for u in resumes if u.exit_codes and all(c == 0 for c in u.exit_codes)),
+        final_equal=sum(1 for u in resumes if u.final_equal),
+        replay_held=sum(1 for u in resumes for c in u.replay if c.held),
+        replay_broken=sum(1 for u in resumes for c in u.replay if not c.held),
+        replay_none=sum(1 for u in resumes if not u.replay),
         violations=sum(len(r.violations) for r in results), not_as_planned=sum(1 for r in results if r.note),
         rerun=sum(1 for r in results if r.attempts > 1),
     )
@@ -721,6 +863,19 @@ def describe(r: TrialResult) -> str:
             f"partials={r.check.partials} chosen={chosen} exits=({codes}) {r.duration_s:4.1f}s  {status}{note}")
 
 
+def describe_resume(r: TrialResult) -> str:
+    u = r.resume
+    if u is None:
+        return f"trial {r.plan.index:3d} not resumed"
+    codes = ",".join("?" if c is None else str(c) for c in u.exit_codes)
+    chosen = r.check.chosen.path.name if r.check.chosen else "-"
+    final = "final state = uninterrupted" if u.final_equal else "VIOLATION: " + "; ".join(u.violations)
+    replay = "; ".join(c.describe() for c in u.replay) or "no replay check"
+    warn = f"  [{'; '.join(u.warnings)}]" if u.warnings else ""
+    return (f"trial {r.plan.index:3d} resumed from {chosen} to step {r.plan.steps - 1}: exits=({codes}) "
+            f"{u.duration_s:4.1f}s  {final}  replay: {replay}{warn}")
+
+
 def record(r: TrialResult) -> dict[str, Any]:
     """One trial as a JSON-able dict (``trials.jsonl`` in the run root)."""
     k = r.kill
@@ -733,6 +888,11 @@ def record(r: TrialResult) -> dict[str, Any]:
         "partials": r.check.partials, "chosen": r.check.chosen.path.name if r.check.chosen else None,
         "loaded": r.loaded, "exit_codes": list(r.exit_codes), "note": r.note, "violations": list(r.violations),
         "duration_s": r.duration_s, "attempts": r.attempts,
+        "resume": None if (u := r.resume) is None else {
+            "exit_codes": list(u.exit_codes), "final_equal": u.final_equal, "violations": list(u.violations),
+            "replay": [{"held": c.held, "broken_step": c.broken_step, "describe": c.describe()} for c in u.replay],
+            "warnings": list(u.warnings), "duration_s": u.duration_s,
+        },
     }
 
 
@@ -746,6 +906,10 @@ def print_summary(s: Summary, wall_s: float) -> None:
     print(f"target visible when killed           {s.committed_at_kill}")
     print(f"target committed after the kill      {s.committed_after_kill} (rank 0 finished publishing after a peer died)")
     print(f"chosen loaded = uninterrupted state  {s.loaded}/{s.trials}")
+    print(f"killed runs resumed to the last step {s.resumed} ({s.resumed_ok} exited 0 on every rank)")
+    print(f"resumed final state = uninterrupted  {s.final_equal}/{s.resumed} (every rank bitwise)")
+    print(f"replay checks                        held {s.replay_held}, broken {s.replay_broken}, "
+          f"none {s.replay_none} (resumes without one)")
     print(f"violations                           {s.violations}")
     print(f"trials not run as planned            {s.not_as_planned}")
     print(f"trials re-run (failed before kill)   {s.rerun}")
@@ -755,6 +919,8 @@ def print_summary(s: Summary, wall_s: float) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=40)
+    p.add_argument("--layout", default=str(DEFAULT_LAYOUT), help="canary layout, e.g. dp=4 (4 ranks: dp*tp*pp = 4 "
+                   "keeps the timing the docstring describes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1, help="trials at a time (more skews the timing on few cores)")
     p.add_argument("--every", default="1,2", help="checkpoint_every values to draw from")
@@ -763,8 +929,12 @@ def main() -> None:
     args = p.parse_args()
     if args.trials < 1 or args.jobs < 1:
         raise SystemExit("--trials and --jobs must be >= 1")
+    try:
+        layout = Layout.parse(args.layout)
+    except ValueError as exc:
+        raise SystemExit(f"--layout: {exc}") from None
     plans = plan_trials(args.trials, args.seed, tuple(int(e) for e in args.every.split(",")),
-                        uniform_only=args.uniform_only)
+                        uniform_only=args.uniform_only, layout=layout)
     root = args.keep or Path(tempfile.mkdtemp(prefix="checkpoint-kills-"))
     root.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -776,11 +946,13 @@ def main() -> None:
         with open(log, "a") as f:  # as it goes (before loading), so an interrupted campaign leaves its trials
             f.write(json.dumps(record(r)) + "\n")
 
-    results = run_campaign(plans, root, jobs=args.jobs, on_trial=on_trial)
+    print(f"layout {layout}, {layout.world_size} ranks", flush=True)
+    results = run_campaign(plans, root, jobs=args.jobs, on_trial=on_trial,
+                           on_resume=lambda r: print(describe_resume(r), flush=True))
     log.write_text("".join(json.dumps(record(r)) + "\n" for r in results))
     bad = [r for r in results if r.violations]
     if bad:
-        print("\nafter loading:")
+        print("\nafter loading and resuming:")
         for r in bad:
             print(describe(r))
     summary = summarize(results)
