@@ -1,6 +1,7 @@
 """SIGKILL a rank at random instants of checkpoint saves on real gloo ranks (the trials of
 benchmarks/checkpoint_kills.py, fewer of them): no listing and no loader ever accepts a partial checkpoint, and
-every chosen checkpoint loads into exactly the state an uninterrupted run had after that step."""
+every chosen checkpoint loads into exactly the state an uninterrupted run had after that step, and every killed run
+resumed from it ends bitwise where the uninterrupted run ends."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def test_random_kills_during_saves_never_publish_or_load_a_partial(campaign: lis
     assert s.partials_accepted == 0
     assert s.partials_seen >= 1, s  # the catalog had temporaries to reject
     assert s.in_save >= TRIALS // 2, s.landings  # the kills really land inside saves, not between them
+    # every killed run, resumed to its last step, ends bitwise in the uninterrupted run's state
+    assert s.resumed == s.resumed_ok == s.final_equal == TRIALS, s
+    assert s.replay_broken == 0, s
 
 
 def test_the_trial_check_fails_when_a_catalog_accepts_a_temporary(
