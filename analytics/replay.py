@@ -7,7 +7,9 @@ such pair; `detect_replay_divergence` turns the mismatches into one divergence i
 attempt): "replayed step N differs from attempt K: param, optim", onset at the first differing step.
 
 Pairs whose consistency domain changed membership (a resume onto another dp degree) are not compared: such a resume
-is CHANGED in the lineage already, and its replay is not expected to match.
+is CHANGED in the lineage already, and its replay is not expected to match. Nor are steps at and after the first
+step where the earlier attempt's own replicas disagreed: a rollback that undoes a divergence or a corruption must
+end elsewhere than the attempt it undoes, and that is the recovery working, not a nondeterministic replay.
 """
 
 from __future__ import annotations
@@ -44,11 +46,20 @@ def replay_comparisons(frames: Frames) -> pl.DataFrame:
         pl.col(Fingerprints.WALL_NS), *[e.alias(n) for n, e in cols.items()],
     )
     earlier = base.rename({c: f"{c}_e" for c in base.columns if c not in (Fingerprints.RANK, Fingerprints.STEP)})
+    # An earlier attempt is a reference only up to the first step its own replicas disagreed at: a rollback that
+    # undoes a divergence (the reason for many rollbacks) must differ from what it undoes.
+    key = [Fingerprints.ATTEMPT, Fingerprints.DOMAIN, Fingerprints.STEP]
+    split = base.group_by(key).agg([pl.col(n).n_unique().alias(n) for n in cols]).filter(
+        pl.any_horizontal([pl.col(n) > 1 for n in cols]))
+    diverged = split.group_by(Fingerprints.ATTEMPT, Fingerprints.DOMAIN).agg(
+        pl.col(Fingerprints.STEP).min().alias("diverged_from")).rename(
+        {Fingerprints.ATTEMPT: f"{Fingerprints.ATTEMPT}_e", Fingerprints.DOMAIN: f"{Fingerprints.DOMAIN}_e"})
     pairs = base.join(earlier, on=[Fingerprints.RANK, Fingerprints.STEP], how="inner").filter(
         (pl.col(f"{Fingerprints.ATTEMPT}_e") < pl.col(Fingerprints.ATTEMPT))
         & (pl.col(f"{Fingerprints.DOMAIN}_e") == pl.col(Fingerprints.DOMAIN))
         & (pl.col("members_e") == pl.col("members"))
-    )
+    ).join(diverged, on=[f"{Fingerprints.ATTEMPT}_e", f"{Fingerprints.DOMAIN}_e"], how="left").filter(
+        pl.col("diverged_from").is_null() | (pl.col(Fingerprints.STEP) < pl.col("diverged_from")))
     if pairs.height == 0:
         return pl.DataFrame(schema=COMPARISON_SCHEMA)
     differing = pl.concat_list([

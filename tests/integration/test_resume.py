@@ -36,9 +36,10 @@ def test_rollback_and_resume_is_bitwise_identical(tmp_path: Path) -> None:
     assert len(_final(broken_dir, STEPS - 1)) == 2
 
     entries = read(lineage_path(broken_dir))
-    assert [e.kind for e in entries] == [EntryKind.ROLLBACK, EntryKind.REPLAYED_DATA_RANGE]
+    assert [e.kind for e in entries] == [EntryKind.ROLLBACK, EntryKind.REPLAYED_DATA_RANGE, EntryKind.REPLAY_VERIFIED]
     ckpt_step = FAIL_AT // EVERY * EVERY - 1  # last checkpoint before the fault: step 2
-    rollback, replay = entries
+    rollback, replay, verified = entries
+    assert (verified.details.attempt, verified.details.from_step) == (1, ckpt_step + 1)  # its first step was checked
     assert (rollback.details.from_step, rollback.details.to_step) == (FAIL_AT - 1, ckpt_step + 1)
     assert rollback.details.checkpoint_id == f"step-{ckpt_step:08d}"
     assert (replay.details.from_step, replay.details.to_step) == (ckpt_step + 1, FAIL_AT)

@@ -73,6 +73,16 @@ def test_a_changed_domain_membership_is_not_compared() -> None:
     assert replay_checks(_frames(rows)) == ()
 
 
+def test_an_earlier_attempt_is_no_reference_from_where_its_own_replicas_disagreed() -> None:
+    # attempt 0 diverged at step 9 (rank 1's RNG skewed); the rollback replays 6 and 9 cleanly: 9 differs from
+    # attempt 0 on rank 1, which is the recovery undoing the divergence, not a nondeterministic replay
+    rows = [_fp(r, s, a) for r in range(4) for s in (6, 9) for a in (0, 1)]
+    rows = [dict(r, rng_torch_hash="skewed") if (r["rank"], r["step"], r["attempt"]) == (1, 9, 0) else r for r in rows]
+    [check] = replay_checks(_frames(rows))
+    assert check.held and (check.first_step, check.last_step) == (6, 6)
+    assert detect_replay_divergence(_frames(rows)) == ()
+
+
 def test_no_replays_no_checks() -> None:
     assert replay_checks(Frames.build()) == () and detect_replay_divergence(Frames.build()) == ()
 
