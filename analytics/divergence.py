@@ -323,7 +323,7 @@ def _incident(
     summary = (
         f"{who} {what} at fingerprint step {onset} on {', '.join(f for f in fields if f not in notes)}"
         + (f"; preceded by {' and '.join(n.replace('_', ' ') for n in notes)}" if notes else "")
-        + f"; ranks {_short(ranks)}"
+        + f"; ranks {short_ranks(ranks)}"
     )
     ev_rows = rows.sort("step", "rank", "field").head(20)
     evidence = (
@@ -375,6 +375,7 @@ def _preceded_by(frames: Frames, domains: set[str], onset: int, onset_wall: int 
     return notes
 
 
-def _short(ranks: Sequence[int], limit: int = 16) -> str:
+def short_ranks(ranks: Sequence[int], limit: int = 16) -> str:
+    """Up to `limit` ranks, comma-separated, then how many there are."""
     shown = ", ".join(map(str, ranks[:limit]))
     return shown + (f", ... ({len(ranks)} ranks)" if len(ranks) > limit else "")

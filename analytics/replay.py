@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from rankwatch.analytics.divergence import FIELDS, HASH_COLUMNS
+from rankwatch.analytics.divergence import FIELDS, HASH_COLUMNS, short_ranks
 from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.collector.schema import Fingerprints
@@ -107,7 +107,7 @@ class ReplayCheck:
             return (f"attempt {self.attempt} replayed {span} bitwise equal to attempt {self.earlier_attempt} "
                     f"({self.steps} fingerprinted step(s), {len(self.ranks)} rank(s))")
         return (f"replayed step {self.broken_step} differs from attempt {self.earlier_attempt}: "
-                f"{', '.join(self.fields)} (attempt {self.attempt}, ranks {_short(self.broken_ranks)})")
+                f"{', '.join(self.fields)} (attempt {self.attempt}, ranks {short_ranks(self.broken_ranks)})")
 
 
 def replay_checks(frames: Frames) -> tuple[ReplayCheck, ...]:
@@ -170,7 +170,3 @@ def detect_replay_divergence(frames: Frames, confidence: float = 0.95) -> tuple[
         ))
     return tuple(incidents)
 
-
-def _short(ranks: tuple[int, ...], limit: int = 16) -> str:
-    shown = ", ".join(map(str, ranks[:limit]))
-    return shown + (f", ... ({len(ranks)} ranks)" if len(ranks) > limit else "")
