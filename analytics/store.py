@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import duckdb
@@ -27,7 +27,15 @@ from rankwatch.analytics.validate import (
     stray_tables,
 )
 from rankwatch.collector.rollup import MANIFEST, PartListing, RollupError, list_parts, table_dir
-from rankwatch.collector.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, TELEMETRY_DIR, Table
+from rankwatch.collector.schema import (
+    READABLE_VERSIONS,
+    SCHEMA_VERSION,
+    SCHEMA_VERSION_KEY,
+    TELEMETRY_DIR,
+    Table,
+    added_after,
+    storage_schema,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,9 +75,9 @@ def table_parts(run_dir: Path | str, table: Table, *, rank_parts: bool = True,
     except RollupError as exc:
         raise RunDirError(str(exc)) from None
     for directory, manifest in listing.manifests:
-        if manifest.schema_version != SCHEMA_VERSION:
+        if manifest.schema_version not in READABLE_VERSIONS:
             raise SchemaVersionError(f"{directory / MANIFEST}: host parts of schema version {manifest.schema_version}, "
-                                     f"this rankwatch reads {SCHEMA_VERSION}")
+                                     f"this rankwatch reads {_readable()}")
     return listing
 
 
@@ -82,11 +90,21 @@ def check_part(path: Path) -> dict[bytes, bytes]:
         raise RunDirError(f"{path}: unreadable parquet part ({type(exc).__name__}: {exc})") from None
     meta = schema.metadata or {}
     version = meta.get(SCHEMA_VERSION_KEY)
-    if version is None or not version.isdigit() or int(version) != SCHEMA_VERSION:
+    if version is None or not version.isdigit() or int(version) not in READABLE_VERSIONS:
         found = version.decode(errors="replace") if version else "none"
-        raise SchemaVersionError(f"{path}: schema version {found}, this rankwatch reads {SCHEMA_VERSION}")
+        raise SchemaVersionError(f"{path}: schema version {found}, this rankwatch reads {_readable()}")
     check_part_schema(path, schema)
     return dict(meta)
+
+
+def _readable() -> str:
+    return ", ".join(str(v) for v in READABLE_VERSIONS)
+
+
+def footer_version(meta: Mapping[bytes, bytes]) -> int:
+    """The schema version of a part from its footer values (one `check_part` or `part_footers` accepted)."""
+    raw = meta.get(SCHEMA_VERSION_KEY, b"")
+    return int(raw) if raw.isdigit() else SCHEMA_VERSION
 
 
 def connect(run_dir: Path | str, *, check: bool = True) -> duckdb.DuckDBPyConnection:
@@ -98,10 +116,10 @@ def connect(run_dir: Path | str, *, check: bool = True) -> duckdb.DuckDBPyConnec
         files = part_files(run_dir, table)
         if not files:
             continue
+        versions = {SCHEMA_VERSION}
         if check:
-            for f in files:
-                check_part(f)
-        _create_view(con, table, files)
+            versions = {footer_version(check_part(f)) for f in files}
+        _create_view(con, table, files, versions=versions)
     return con
 
 
@@ -138,7 +156,8 @@ def open_run(run_dir: Path | str, *, tables: Collection[Table] = ANALYZED_TABLES
         if not every:
             raise RunDirError(f"{tel}: no telemetry part files — the run recorded nothing (or was cut before its first "
                               "flush)")
-        readable, problems = readable_parts(con, every, threads=threads)
+        meta, problems = part_footers(con, every, threads=threads)
+        readable = set(meta)
         if not any(not f.exists() for f in every if f not in readable):
             break
         # a rank part was deleted after a host rollup covering it was published: the listing is stale, list again
@@ -147,10 +166,11 @@ def open_run(run_dir: Path | str, *, tables: Collection[Table] = ANALYZED_TABLES
     for table, files in by_table.items():
         good = [f for f in files if f in readable]
         if good:
-            # Every part was checked to carry this rankwatch's schema version and (rank parts) its table's columns,
-            # so all share one column set: union by name (which reads every footer again at each query) is only
-            # needed across versions.
-            _create_view(con, table, good, union_by_name=False)
+            # Every part was checked to carry a readable schema version and (rank parts) that version's columns, so
+            # parts of one version share one column set: union by name (which reads every footer again at each
+            # query) is only needed across versions.
+            versions = {footer_version(meta[f]) for f in good}
+            _create_view(con, table, good, union_by_name=False, versions=versions)
             kept += len(good)
             present.add(table)
             read[table] = tuple(good)
@@ -174,7 +194,7 @@ _MATERIALIZED: dict[Table, str] = {
     Table.TOPOLOGY: "*",
     Table.STEPS: "*",
     Table.EVENTS: "*",
-    Table.COLLECTIVES: "* EXCLUDE (dtype, device_duration_ns, exit_mono_ns)",
+    Table.COLLECTIVES: "* EXCLUDE (dtype, device_start_ns, exit_mono_ns)",
     Table.FINGERPRINTS: "*",
     Table.CHECKPOINT_PHASES: "*",
 }
@@ -191,6 +211,24 @@ _UNANALYZED: dict[Table, str] = {
 def analyzed_columns(table: Table) -> str:
     """The column list analysis keeps in memory for `table` (a DuckDB select list: "*" or "* EXCLUDE (...)")."""
     return _MATERIALIZED.get(table) or _UNANALYZED.get(table, "*")
+
+
+def attach(store: RunStore, run_dir: Path | str, table: Table) -> RunStore:
+    """`store` with a view over `table` too (a table `open_run` was not asked for, e.g. the phases a device-clock
+    analysis reads): its unreadable parts are left out with a warning naming each, as `open_run` does."""
+    if table in store.tables:
+        return store
+    files = part_files(run_dir, table)
+    if not files:
+        return store
+    meta, problems = part_footers(store.con, files)
+    good = [f for f in files if f in meta]
+    if not good:
+        return replace(store, warnings=(*store.warnings, *(f"{p} — left out of the analysis" for p in problems)))
+    _create_view(store.con, table, good, union_by_name=False, versions={footer_version(meta[f]) for f in good})
+    return replace(store, warnings=(*store.warnings, *(f"{p} — left out of the analysis" for p in problems)),
+                   parts=store.parts + len(good), tables=store.tables | {table},
+                   files={**store.files, table: tuple(good)})
 
 
 def materialize(store: RunStore, *, since_step: int | None = None) -> None:
@@ -237,22 +275,32 @@ def part_footers(con: duckdb.DuckDBPyConnection, files: list[Path], *, keys: Col
 
 
 def parquet_source(files: list[Path], *, union_by_name: bool = True, row_number: bool = False,
-                   table: Table | None = None) -> str:
+                   table: Table | None = None, versions: Collection[int] = (SCHEMA_VERSION,)) -> str:
     """A DuckDB relation over exactly `files`: rank from the files (a host rollup holds many ranks), as BIGINT like
     the hive-partitioned rank layout gave it. With `row_number`, each row's 0-based place in its file as
     `file_row_number`. Reading it raises, naming the file, at a row no collector writes (`validate.row_guard`: a
     rank other than its folder's, negative durations of `table`)."""
     listing = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
-    by_name = "true" if union_by_name else "false"
+    older = min(versions, default=SCHEMA_VERSION) < SCHEMA_VERSION
+    by_name = "true" if union_by_name or older else "false"
     extra = ", file_row_number=true" if row_number else ""
-    return (f"(SELECT * REPLACE (CAST(rank AS BIGINT) AS rank) "
+    added = ""
+    if older and table is not None:  # columns no listed part has read as null (parts of several versions: by name)
+        types = {f.name: f.type for f in storage_schema(table)}
+        added = "".join(f", CAST(NULL AS {_SQL_TYPES[str(types[c.name])]}) AS {c.name}"
+                        for c in added_after(table, max(versions)))
+    return (f"(SELECT * REPLACE (CAST(rank AS BIGINT) AS rank){added} "
             f"FROM read_parquet([{listing}], hive_partitioning=false, union_by_name={by_name}{extra}) "
             f"WHERE {row_guard(table, files)})")
 
 
+_SQL_TYPES = {"int32": "INTEGER", "int64": "BIGINT", "double": "DOUBLE", "string": "VARCHAR", "bool": "BOOLEAN"}
+"""DuckDB types of the columns a schema version may add (scalar columns only)."""
+
+
 def _footers_fast(con: duckdb.DuckDBPyConnection, files: list[Path], keys: Collection[bytes]
                   ) -> dict[Path, dict[bytes, bytes]] | None:
-    """The `keys` footer values of every file when every file is readable parquet carrying this rankwatch's schema
+    """The `keys` footer values of every file when every file is readable parquet carrying a readable schema
     version (one pass over the footers in DuckDB); None when any is not, or the pass itself fails."""
     if not files:
         return {}
@@ -270,11 +318,11 @@ def _footers_fast(con: duckdb.DuckDBPyConnection, files: list[Path], keys: Colle
     for name, key, value in rows:
         k = bytes(key)
         by_name.setdefault(str(name), {})[SCHEMA_DIGEST_KEY if k == ARROW_SCHEMA_KEY else k] = bytes(value)
-    version = str(SCHEMA_VERSION).encode()
+    versions = {str(v).encode() for v in READABLE_VERSIONS}
     out = {}
     for f in files:
         got = by_name.get(str(f))
-        if got is None or got.get(SCHEMA_VERSION_KEY) != version:
+        if got is None or got.get(SCHEMA_VERSION_KEY) not in versions:
             return None
         out[f] = got
     return out
@@ -288,8 +336,9 @@ def _part_problem(path: Path) -> RunDirError | SchemaVersionError | dict[bytes, 
         return exc
 
 
-def _create_view(con: duckdb.DuckDBPyConnection, table: Table, files: list[Path], *, union_by_name: bool = True) -> None:
-    source = parquet_source(files, union_by_name=union_by_name, table=table)
+def _create_view(con: duckdb.DuckDBPyConnection, table: Table, files: list[Path], *, union_by_name: bool = True,
+                 versions: Collection[int] = (SCHEMA_VERSION,)) -> None:
+    source = parquet_source(files, union_by_name=union_by_name, table=table, versions=versions)
     con.execute(f"CREATE VIEW {table} AS SELECT * FROM {source}")
 
 

@@ -28,6 +28,9 @@ from rankwatch.analytics.errors import AnalyticsError, DamagedDataError, NoDataE
 from rankwatch.collector.rollup import ROLLUP_DIR, rank_of_part
 from rankwatch.collector.schema import (
     PARTITION_KEY,
+    READABLE_VERSIONS,
+    SCHEMA_VERSION,
+    SCHEMA_VERSION_KEY,
     CheckpointPhases,
     Collectives,
     CollectiveStatus,
@@ -120,9 +123,10 @@ def stray_tables(tel: Path) -> tuple[str, ...]:
 
 
 def schema_problem(table: Table, schema: pa.Schema) -> str:
-    """What differs between a part's columns and the storage schema of `table` ('' if nothing): columns it has that
-    the schema lacks, columns it lacks, and columns of another type. Column order and nullability are not compared."""
-    want = {f.name: f.type for f in storage_schema(table)}
+    """What differs between a part's columns and the storage schema of `table` at the part's schema version ('' if
+    nothing): columns it has that the schema lacks, columns it lacks, and columns of another type. Column order and
+    nullability are not compared."""
+    want = {f.name: f.type for f in storage_schema(table, part_version(schema))}
     got = {f.name: f.type for f in schema}
     problems = []
     extra = [n for n in got if n not in want]
@@ -134,6 +138,13 @@ def schema_problem(table: Table, schema: pa.Schema) -> str:
     problems.extend(f"column {n} is {got[n]}, the {table} schema says {t}" for n, t in want.items()
                     if n in got and not got[n].equals(t))
     return "; ".join(problems)
+
+
+def part_version(schema: pa.Schema) -> int:
+    """The schema version a part's footer names, where it is one this rankwatch reads; else the current one (the
+    version itself is checked by `store.check_part`)."""
+    raw = (schema.metadata or {}).get(SCHEMA_VERSION_KEY, b"")
+    return int(raw) if raw.isdigit() and int(raw) in READABLE_VERSIONS else SCHEMA_VERSION
 
 
 def check_part_schema(path: Path, schema: pa.Schema) -> None:

@@ -397,7 +397,7 @@ class CollectiveTracker:
             self._rank, step, seq, o.group_seq, o.op, g.name, g.ranks, o.peer, o.nbytes, _dtype_name(o.dtype),
             o.async_op, enter + offset, enter,
             None if end is None else end + offset, end, None if end is None else end - enter,
-            device_ns, status, error,
+            device_ns, None, status, error,
         )
 
     def _final_row(self, o: _Open, device_ns: int | None) -> Row:

@@ -395,7 +395,7 @@ class Collector:
     def _loose_phase(self, phase: _Phase) -> None:
         try:
             start = phase.start
-            self._append_phase((self.rank, -1, phase.name, start + _wall() - _mono(), start, phase.end - start))
+            self._append_phase((self.rank, -1, phase.name, start + _wall() - _mono(), start, phase.end - start, None))
         except Exception as exc:
             self._internal_error("phase", exc)
 
@@ -417,7 +417,7 @@ class Collector:
             if not record.failed:
                 steps.append(self._step_row(record))
             if record.phases:
-                phases += [(rank, step, p.name, p.start + offset, p.start, p.end - p.start) for p in record.phases]
+                phases += [(rank, step, p.name, p.start + offset, p.start, p.end - p.start, None) for p in record.phases]
         collectives = self.tracker.drain(done, self._current, wait=self._final)
         return {Table.STEPS: steps, Table.PHASES: phases, Table.COLLECTIVES: collectives}
 
@@ -438,7 +438,7 @@ class Collector:
         return (
             self.rank, record.step, self.attempt, record.start_wall_ns, end_mono + record.wall_offset_ns,
             start_mono, end_mono, duration, compute, wait, dataloader_wait, checkpoint, record.seq,
-            loss, grad_norm, finite, record.data_position,
+            loss, grad_norm, finite, record.data_position, None, None, None,
         )
 
     def phase(self, name: str) -> _Phase:

@@ -19,7 +19,10 @@ from enum import IntFlag, StrEnum
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+READABLE_VERSIONS: tuple[int, ...] = (1, 2, 3)
+"""Schema versions analytics reads: a column added in a later version (`ColumnSpec.since`) reads as null from parts
+of an earlier one."""
 SCHEMA_VERSION_KEY = b"rankwatch.schema_version"
 TELEMETRY_DIR = "telemetry"
 PARTITION_KEY = "rank"
@@ -54,6 +57,9 @@ class Steps(StrEnum):
     LOCAL_GRAD_NORM = "local_grad_norm"
     ALL_FINITE = "all_finite"
     DATA_POSITION = "data_position"
+    DEVICE_NS = "device_ns"
+    DEVICE_COMPUTE_NS = "device_compute_ns"
+    DEVICE_COLLECTIVE_NS = "device_collective_ns"
 
 
 class Phases(StrEnum):
@@ -63,6 +69,7 @@ class Phases(StrEnum):
     START_WALL_NS = "start_wall_ns"
     START_MONO_NS = "start_mono_ns"
     DURATION_NS = "duration_ns"
+    DEVICE_DURATION_NS = "device_duration_ns"
 
 
 class Collectives(StrEnum):
@@ -83,6 +90,7 @@ class Collectives(StrEnum):
     EXIT_MONO_NS = "exit_mono_ns"
     DURATION_NS = "duration_ns"
     DEVICE_DURATION_NS = "device_duration_ns"
+    DEVICE_START_NS = "device_start_ns"
     STATUS = "status"
     ERROR = "error"
 
@@ -317,6 +325,8 @@ class ColumnSpec:
     unit: str
     doc: str
     nullable: bool = False
+    since: int = 1
+    """Schema version that added the column (it reads as null from parts of an earlier version)."""
 
     def field(self) -> pa.Field:
         return pa.field(
@@ -327,8 +337,8 @@ class ColumnSpec:
         )
 
 
-def _c(name: StrEnum, type_: pa.DataType, unit: str, doc: str, nullable: bool = False) -> ColumnSpec:
-    return ColumnSpec(str(name), type_, unit, doc, nullable)
+def _c(name: StrEnum, type_: pa.DataType, unit: str, doc: str, nullable: bool = False, *, since: int = 1) -> ColumnSpec:
+    return ColumnSpec(str(name), type_, unit, doc, nullable, since)
 
 
 _I32, _I64, _F64, _STR, _BOOL = pa.int32(), pa.int64(), pa.float64(), pa.string(), pa.bool_()
@@ -383,6 +393,33 @@ COLUMNS: dict[Table, tuple[ColumnSpec, ...]] = {
         ),
         _c(Steps.ALL_FINITE, _BOOL, "", "loss and local gradient norm are finite (true when not measured)"),
         _c(Steps.DATA_POSITION, _I64, "samples", "data position after the step (samples consumed)", True),
+        _c(
+            Steps.DEVICE_NS,
+            _I64,
+            "ns",
+            "device time of the step: between the CUDA events recorded on the compute stream at step start and end, "
+            "resolved after the fact (null on CPU, or when the events were dropped unresolved)",
+            True,
+            since=3,
+        ),
+        _c(
+            Steps.DEVICE_COMPUTE_NS,
+            _I64,
+            "ns",
+            "the rank's own work on the device: device_ns minus the device time of the step spent inside collectives "
+            "(it includes time the device waited for its own host to enqueue work); null on CPU",
+            True,
+            since=3,
+        ),
+        _c(
+            Steps.DEVICE_COLLECTIVE_NS,
+            _I64,
+            "ns",
+            "device time of the step inside collectives (the union of their device intervals): in a blocking "
+            "collective the early ranks' kernels wait for the late rank's, so the late rank shows the least; null on CPU",
+            True,
+            since=3,
+        ),
     ),
     Table.PHASES: (
         _c(Phases.RANK, _I32, "", _RANK_DOC),
@@ -390,7 +427,10 @@ COLUMNS: dict[Table, tuple[ColumnSpec, ...]] = {
         _c(Phases.PHASE, _STR, "", "phase name given by the job (forward, backward, optimizer, ...)"),
         _c(Phases.START_WALL_NS, _I64, "ns", "wall clock at phase start (monotonic start plus the step's wall − monotonic offset)"),
         _c(Phases.START_MONO_NS, _I64, "ns", "monotonic clock at phase start"),
-        _c(Phases.DURATION_NS, _I64, "ns", "phase duration"),
+        _c(Phases.DURATION_NS, _I64, "ns", "phase duration on the training thread's clock (on CUDA: the time to "
+           "enqueue the phase's work, plus any device synchronization inside it)"),
+        _c(Phases.DEVICE_DURATION_NS, _I64, "ns", "device time between CUDA events at phase start and end on the "
+           "compute stream; null on CPU or when unresolved", True, since=3),
     ),
     Table.COLLECTIVES: (
         _c(Collectives.RANK, _I32, "", _RANK_DOC),
@@ -426,8 +466,18 @@ COLUMNS: dict[Table, tuple[ColumnSpec, ...]] = {
             Collectives.DEVICE_DURATION_NS,
             _I64,
             "ns",
-            "device time between CUDA events around the kernel, resolved after the fact; null on CPU",
+            "device time between CUDA events around the operation on the stream it ran on (NCCL's stream for "
+            "asynchronous work), resolved after the fact: as on the CPU, the late rank shows the least; null on CPU",
             True,
+        ),
+        _c(
+            Collectives.DEVICE_START_NS,
+            _I64,
+            "ns",
+            "device time from the step's start event to the operation's start event: how far into its step this "
+            "rank's device reached the operation (arrival evidence on the device clock); null on CPU or outside a step",
+            True,
+            since=3,
         ),
         _c(
             Collectives.STATUS,
@@ -503,7 +553,8 @@ COLUMNS: dict[Table, tuple[ColumnSpec, ...]] = {
         _c(Fingerprints.RANK, _I32, "", _RANK_DOC),
         _c(Fingerprints.STEP, _I64, "step", "step after which the state was fingerprinted"),
         _c(Fingerprints.ATTEMPT, _I32, "", "launch attempt that trained the step (a replayed step is fingerprinted "
-           "once per attempt, and the attempts are compared)"),
+           "once per attempt, and the attempts are compared); null in version-1 parts, which did not record it",
+           since=2),
         _c(Fingerprints.WALL_NS, _I64, "ns", "wall clock when fingerprinted"),
         _c(
             Fingerprints.DOMAIN,
@@ -593,13 +644,26 @@ def schema_for(table: Table) -> pa.Schema:
     return SCHEMAS[table]
 
 
-def storage_schema(table: Table) -> pa.Schema:
-    """The schema part files are written with."""
-    return STORAGE_SCHEMAS[table]
+def storage_schema(table: Table, version: int = SCHEMA_VERSION) -> pa.Schema:
+    """The schema part files are written with (by default), or were written with under an earlier readable version:
+    the columns that version had."""
+    if version == SCHEMA_VERSION:
+        return STORAGE_SCHEMAS[table]
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"schema version {version} is not one this rankwatch reads ({READABLE_VERSIONS})")
+    return pa.schema(
+        [pa.field(c.name, c.type, nullable=c.nullable) for c in COLUMNS[table] if c.since <= version],
+        metadata={SCHEMA_VERSION_KEY: str(version).encode()},
+    )
 
 
 def column_names(table: Table) -> tuple[str, ...]:
     return tuple(c.name for c in COLUMNS[table])
+
+
+def added_after(table: Table, version: int) -> tuple[ColumnSpec, ...]:
+    """The columns of `table` that parts of schema `version` lack (added by a later version)."""
+    return tuple(c for c in COLUMNS[table] if c.since > version)
 
 
 def link_name(host_a: str, host_b: str) -> str:
@@ -635,15 +699,44 @@ def render_markdown() -> str:
         "and manifests second, so no row is read twice or missed at any instant (`collector/rollup.py`).",
         "",
     ]
+    out += [
+        "Readable versions: " + ", ".join(str(v) for v in READABLE_VERSIONS) + ". A column added by a later version "
+        "(the *since* column below) reads as null from an earlier version's parts.",
+        "",
+        _CLOCKS_DOC,
+        "",
+    ]
     for table, cols in COLUMNS.items():
         low = " Low priority: dropped first when the writer falls behind." if table in LOW_PRIORITY else ""
         out += [f"## `{table}`", "", f"{_TABLE_DOCS[table]}{low}", ""]
-        out += ["| column | type | unit | nullable | meaning |", "|---|---|---|---|---|"]
+        out += ["| column | type | unit | nullable | since | meaning |", "|---|---|---|---|---|---|"]
         for c in cols:
             doc = c.doc.replace("|", "\\|")
-            out.append(f"| `{c.name}` | {c.type} | {c.unit} | {'yes' if c.nullable else 'no'} | {doc} |")
+            out.append(f"| `{c.name}` | {c.type} | {c.unit} | {'yes' if c.nullable else 'no'} | {c.since} | {doc} |")
         out.append("")
     return "\n".join(out)
+
+
+_CLOCKS_DOC = """## Which clock carries the signal: CPU (gloo) and GPU (CUDA, NCCL)
+
+On CPU a collective blocks the training thread, so the thread's clock sees all the work. On CUDA the thread only
+enqueues kernels and NCCL collectives and blocks at the next synchronization point, where it waits for its own GPU
+*and* every peer its collectives wait on: the slow GPU's time shows up on every rank there. The collector's
+`DeviceTimer` (`collector/device.py`) records CUDA events from a pool and resolves them on the writer thread; the
+training thread never synchronizes the device for telemetry.
+
+| question | CPU run (gloo) | GPU run (CUDA) |
+|---|---|---|
+| the rank's own work | `steps.compute_ns` | `steps.device_compute_ns` (`compute_ns` is about equal on every rank) |
+| time waiting for peers | `steps.collective_wait_ns`, `collectives.duration_ns` | `steps.device_collective_ns`, `collectives.device_duration_ns` (`duration_ns` is launch latency) |
+| who arrived last at a collective | least `collectives.duration_ns` per (group, group_seq) | least `collectives.device_duration_ns` per (group, group_seq); `device_start_ns` says how far into its step the device got there |
+| input pipeline | `steps.dataloader_wait_ns` | `steps.dataloader_wait_ns` (host side on both) |
+| host thread stalls vs slow device | not separable: both are the thread's time | a host stall shows in the CPU `phases.duration_ns` of the phase it hit *and* in device time (the GPU waited); a slow device only in `device_*` |
+| link bandwidth | `collectives.bytes` / `duration_ns` of the last arrival | `bytes` / `device_duration_ns` of the last arrival |
+| GPU health | `gpu` (NVML) | `gpu` (NVML) |
+
+Analytics uses the device columns where every rank of the run carries them and the CPU ones where none does; a run
+that mixes both is analysed on the CPU clock only, with a warning (device figures are never compared with CPU ones)."""
 
 
 _TABLE_DOCS: dict[Table, str] = {
