@@ -20,11 +20,11 @@ from rankwatch.analytics.corruption import detect_corruption
 from rankwatch.analytics.divergence import detect_divergence
 from rankwatch.analytics.replay import detect_replay_divergence
 from rankwatch.analytics.failstop import detect_failstops
-from rankwatch.analytics.frames import Frames
+from rankwatch.analytics.frames import Clock, Frames
 from rankwatch.analytics.incidents import Incident, sort_incidents, write_incidents
 from rankwatch.analytics.localize import RunObservation
-from rankwatch.analytics.queries import groups, load_frames, topology
-from rankwatch.analytics.store import check_store, materialize, open_run, telemetry_dir
+from rankwatch.analytics.queries import groups, load_frames, run_clock, topology
+from rankwatch.analytics.store import attach, check_store, materialize, open_run, telemetry_dir
 from rankwatch.analytics.straggler import detect_stragglers
 from rankwatch.analytics.validate import read_error
 from rankwatch.collector.schema import Table
@@ -110,10 +110,13 @@ def detect_all(frames: Frames, *, anomaly: bool = True, progress: Progress = _qu
     return sort_incidents(found)
 
 
-def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), progress: Progress = _quiet) -> Analysis:
+def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), progress: Progress = _quiet,
+            clock: Clock = Clock.AUTO) -> Analysis:
     """Find the incidents of a run. Raises `AnalyticsError` (one line, naming the file) for a run that cannot be
     read or whose rows no collector writes (`validate`); parts that are cut short, and tables the detectors need
-    that hold no row, are warnings in the result (and in `input_warnings`)."""
+    that hold no row, are warnings in the result (and in `input_warnings`). Timing is read from `clock`
+    (`queries.run_clock`: AUTO = the device columns where every rank has them; a run where only some ranks have
+    them is analysed on the CPU clock, with a warning)."""
     run = Path(run_dir)
     timings: list[tuple[str, float]] = []
     t0 = time.perf_counter()
@@ -129,10 +132,15 @@ def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), p
         progress("reading telemetry" + (f" from step {since}" if since is not None else ""))
         materialize(store, since_step=since)
         found = check_store(store, run, since_step=since)
+        clock, mixed = run_clock(store.con, clock, since)
+        if clock is Clock.DEVICE:  # the host-side phase times tell a stalled host from a slow device
+            store = attach(store, run, Table.PHASES)
+        if mixed is not None:
+            found = (*found, mixed)
         timings.append(("open", time.perf_counter() - t0))
         t0 = time.perf_counter()
-        progress("loading frames" + (f" from step {since}" if since is not None else ""))
-        frames = load_frames(con=store.con, since_step=since)
+        progress("loading frames" + (f" from step {since}" if since is not None else "") + f", {clock} clock")
+        frames = load_frames(con=store.con, since_step=since, clock=clock)
     except duckdb.Error as exc:  # a row guard naming a damaged part, or a read that failed
         raise read_error(exc, telemetry_dir(run)) from None
     timings.append(("load", time.perf_counter() - t0))

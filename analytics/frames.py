@@ -8,8 +8,22 @@ tests can build exactly the frames a detector needs. Times are int64 ns; steps a
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 
 import polars as pl
+
+
+class Clock(StrEnum):
+    """Which clock the timing frames were read from (the `_CLOCKS_DOC` table in collector/schema.py).
+
+    On CPU (gloo) the training thread's clock sees all the work; on CUDA it only sees enqueueing and the wait at a
+    sync point, and the device columns carry the signal. AUTO picks DEVICE when every rank's steps carry device
+    columns, CPU when none does, and CPU with a warning when some do (CPU figures are never compared with device
+    figures)."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    DEVICE = "device"
 
 _I32, _I64, _F64, _STR, _BOOL = pl.Int32, pl.Int64, pl.Float64, pl.String, pl.Boolean
 
@@ -24,7 +38,9 @@ FRAME_SCHEMAS: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {
     "groups": {
         "group": _STR, "kind": _STR, "ranks": pl.List(_I32), "hosts": pl.List(_STR), "links": pl.List(_STR),
     },
-    # One row per rank per completed step (latest attempt wins where a step repeats).
+    # One row per rank per completed step (latest attempt wins where a step repeats). On the device clock,
+    # compute_ns is the device time of the rank's own work (steps.device_compute_ns) and collective_wait_ns the device
+    # time inside collectives (steps.device_collective_ns); null where the rank's device events were dropped.
     "steps": {
         "rank": _I32, "attempt": _I32, "step": _I64, "start_wall_ns": _I64, "end_wall_ns": _I64,
         "duration_ns": _I64, "compute_ns": _I64, "collective_wait_ns": _I64, "dataloader_wait_ns": _I64,
@@ -37,6 +53,11 @@ FRAME_SCHEMAS: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {
     "lateness": {
         "rank": _I32, "step": _I64, "ops": _I32, "wait_ns": _I64, "late_ns": _I64, "last_arrivals": _I32,
     },
+    # Device clock only: per rank per step, how much longer than its stage peers' median the rank's host thread took
+    # in the step's phases (CPU phase durations, positive parts summed over phases, less the stage's median of that
+    # sum). On CUDA a phase's CPU time is enqueueing, except where the thread waits at a sync point, where the late
+    # rank waits least: a host stall shows here, a slow device does not.
+    "host": {"rank": _I32, "step": _I64, "host_excess_ns": _I64},
     # One row per inter-host link per step: effective bandwidth of the operations of groups crossing it.
     # transfer_ns per operation = the shortest member's time inside (the last arriver waits only for the transfer).
     "links": {
@@ -123,9 +144,12 @@ class Frames:
     end_wall_ns: int
     heartbeat_interval_ns: int = 1_000_000_000
     replays: pl.DataFrame = field(default_factory=lambda: conform("replays", None))
+    host: pl.DataFrame = field(default_factory=lambda: conform("host", None))
+    clock: Clock = Clock.CPU
+    """The clock `steps`, `lateness`, `links` and `group_transfer` were read from (never AUTO)."""
 
     @classmethod
-    def build(cls, *, end_wall_ns: int = 0, heartbeat_interval_ns: int = 1_000_000_000,
+    def build(cls, *, end_wall_ns: int = 0, heartbeat_interval_ns: int = 1_000_000_000, clock: Clock = Clock.CPU,
               **frames: pl.DataFrame) -> Frames:
         """A bundle from the given frames; every frame not given is empty. Given frames are cast to their schema
         (missing columns added as nulls, extra columns dropped), so a test names only the columns it cares about."""
@@ -133,7 +157,7 @@ class Frames:
         if unknown:
             raise ValueError(f"Frames.build: unknown frame(s) {sorted(unknown)}; known: {sorted(FRAME_SCHEMAS)}")
         out = {name: conform(name, frames.get(name)) for name in FRAME_SCHEMAS}
-        return cls(end_wall_ns=end_wall_ns, heartbeat_interval_ns=heartbeat_interval_ns, **out)
+        return cls(end_wall_ns=end_wall_ns, heartbeat_interval_ns=heartbeat_interval_ns, clock=clock, **out)
 
     @property
     def world_size(self) -> int:

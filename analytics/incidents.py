@@ -66,6 +66,12 @@ class Cause(StrEnum):
     DATALOADER = "dataloader"
     CHECKPOINT_IO = "checkpoint_io"
     SLOW_LINK = "slow_link"
+    DEVICE_SLOW = "device_slow"
+    """Device clock: the rank's GPU took longer for its own work while its host thread kept pace (no throttle bits
+    explain it)."""
+    HOST_STALL = "host_stall"
+    """Device clock: the rank's host thread took longer in its phases (outside dataloader waits), and its GPU waited
+    for it — a stalled host thread or a slow CPU-side step, not the GPU."""
     # imbalance causes
     STAGE_IMBALANCE = "stage_imbalance"
     DATA_SKEW = "data_skew"

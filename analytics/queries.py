@@ -17,7 +17,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from rankwatch.analytics.frames import Frames, conform
+from rankwatch.analytics.frames import Clock, Frames, conform
 from rankwatch.analytics.store import connect
 from rankwatch.collector.schema import CollectiveStatus, EventKind, Table
 
@@ -45,6 +45,34 @@ def _frame(con: duckdb.DuckDBPyConnection, sql: str) -> pl.DataFrame:
 
 def _since(since_step: int | None, col: str = "step") -> str:
     return "" if since_step is None else f" AND {col} >= {int(since_step)}"
+
+
+def run_clock(con: duckdb.DuckDBPyConnection, clock: Clock = Clock.AUTO,
+              since_step: int | None = None) -> tuple[Clock, str | None]:
+    """The clock to read the run's timing from, and a warning when AUTO had to fall back: DEVICE when every rank
+    with steps carries device columns (`steps.device_ns`), CPU when none does; when only some do, CPU for all
+    (device figures are never compared with CPU ones) with a warning naming the ranks without device timing. An
+    explicit CPU or DEVICE is kept as given (DEVICE on a run without device columns raises `ValueError`)."""
+    if clock is Clock.CPU or Table.STEPS not in _tables(con):
+        return Clock.CPU, None
+    ranks, timed, untimed = con.execute(f"""
+        SELECT count(*), count(*) FILTER (WHERE timed),
+               list(rank ORDER BY rank) FILTER (WHERE NOT timed)[1:8]
+        FROM (SELECT rank, bool_or(device_ns IS NOT NULL) AS timed FROM steps WHERE true {_since(since_step)}
+              GROUP BY rank)""").fetchall()[0]
+    if clock is Clock.DEVICE:
+        if not timed:
+            raise ValueError("clock device: no rank of the run recorded device timing (steps.device_ns is null "
+                             "everywhere: a CPU run)")
+        return Clock.DEVICE, None
+    if ranks and timed == ranks:
+        return Clock.DEVICE, None
+    if timed:
+        shown = ",".join(str(r) for r in untimed or [])
+        more = "…" if ranks - timed > len(untimed or []) else ""
+        return Clock.CPU, (f"{ranks - timed} of {ranks} ranks recorded no device timing (ranks {shown}{more}): the run "
+                           "is analysed on the CPU clock, which on CUDA ranks does not see their GPUs' work")
+    return Clock.CPU, None
 
 
 # -- frames for the detectors ------------------------------------------------------------------------------------
@@ -94,27 +122,41 @@ def _group_info(con: duckdb.DuckDBPyConnection) -> str:
     return _GROUP_INFO
 
 
-def steps(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
-    """Completed steps per rank; where a restarted rank repeated a step, its latest attempt's row."""
+def steps(con: duckdb.DuckDBPyConnection, since_step: int | None = None, clock: Clock = Clock.CPU) -> pl.DataFrame:
+    """Completed steps per rank; where a restarted rank repeated a step, its latest attempt's row. On the device
+    clock compute and collective wait are the device's (`steps.device_compute_ns`, `device_collective_ns`)."""
     if Table.STEPS not in _tables(con):
         return conform("steps", None)
     restarted = con.execute("SELECT max(attempt) FROM steps").fetchall()[0][0] or 0
     dedupe = "QUALIFY row_number() OVER (PARTITION BY rank, step ORDER BY attempt DESC) = 1" if restarted else ""
+    timing = ("device_compute_ns AS compute_ns, device_collective_ns AS collective_wait_ns" if clock is Clock.DEVICE
+              else "compute_ns, collective_wait_ns")
     return conform("steps", _frame(con, f"""
-        SELECT rank, attempt, step, start_wall_ns, end_wall_ns, duration_ns, compute_ns, collective_wait_ns,
+        SELECT rank, attempt, step, start_wall_ns, end_wall_ns, duration_ns, {timing},
                dataloader_wait_ns, checkpoint_ns, loss, local_grad_norm, all_finite, data_position
         FROM steps WHERE true {_since(since_step)} {dedupe} ORDER BY rank, step"""))
 
 
-def lateness(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
+def _inside(clock: Clock) -> tuple[str, str]:
+    """(time inside an operation, which operations count) on `clock`. On the CPU an asynchronous operation's time
+    is issue to completion on the host, unrelated to arrival; on the device its start event is recorded where the
+    rank's stream reached it, so a DDP bucket's device time is arrival evidence like a blocking collective's."""
+    if clock is Clock.DEVICE:
+        return "device_duration_ns", "device_duration_ns IS NOT NULL"
+    return "duration_ns", "NOT async_op"
+
+
+def lateness(con: duckdb.DuckDBPyConnection, since_step: int | None = None, clock: Clock = Clock.CPU) -> pl.DataFrame:
     """Per rank per step, clock-free: how late the rank arrived to the step's blocking collectives, measured by
-    how much less it waited than the member that waited longest (the late rank waits least)."""
+    how much less it waited than the member that waited longest (the late rank waits least). On the device clock,
+    from the operations' device time (asynchronous ones included)."""
     if Table.COLLECTIVES not in _tables(con):
         return conform("lateness", None)
+    inside, which = _inside(clock)
     return conform("lateness", _frame(con, f"""
         WITH c AS (
-            SELECT rank, step, "group", group_seq, duration_ns FROM collectives
-            WHERE status = '{CollectiveStatus.OK}' AND NOT async_op AND op IN {_MEMBER_OPS}
+            SELECT rank, step, "group", group_seq, {inside} AS duration_ns FROM collectives
+            WHERE status = '{CollectiveStatus.OK}' AND {which} AND op IN {_MEMBER_OPS}
               AND len(group_ranks) > 1 {_since(since_step)}),
         m AS (
             SELECT "group", group_seq, step, max(duration_ns) AS max_wait, min(duration_ns) AS min_wait
@@ -126,26 +168,27 @@ def lateness(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> p
         GROUP BY c.rank, c.step ORDER BY c.rank, c.step"""))
 
 
-def _op_transfers_sql(since_step: int | None, group_info: str) -> str:
+def _op_transfers_sql(since_step: int | None, group_info: str, clock: Clock = Clock.CPU) -> str:
     """One row per operation that moved bytes: its group, group kind, step, transfer time, bytes, and the
     inter-host links it crossed.
 
     A collective's transfer is the shortest member's time inside (the last to arrive waits only for the
     transfer); it crosses the links of its group's ring. A point-to-point transfer pairs the k-th send from a to b
     in a step with the k-th recv at b from a, takes the shorter of the two times, and crosses only the link
-    between a's and b's hosts."""
-    ok = f"status = '{CollectiveStatus.OK}' AND duration_ns IS NOT NULL AND bytes > 0 {_since(since_step)}"
+    between a's and b's hosts. On the device clock the times are the operations' device times."""
+    inside = "device_duration_ns" if clock is Clock.DEVICE else "duration_ns"
+    ok = f"status = '{CollectiveStatus.OK}' AND {inside} IS NOT NULL AND bytes > 0 {_since(since_step)}"
     return f"""
         g AS (SELECT "group", kind, links FROM {group_info}),
         host AS (SELECT rank, arg_max(host, attempt) AS host FROM topology GROUP BY rank),
         coll AS (
-            SELECT "group", step, group_seq, min(duration_ns) AS transfer_ns, max(bytes) AS bytes
+            SELECT "group", step, group_seq, min({inside}) AS transfer_ns, max(bytes) AS bytes
             FROM collectives WHERE op IN {_MEMBER_OPS} AND len(group_ranks) > 1 AND {ok}
             GROUP BY ALL),
-        snd AS (SELECT rank AS src, peer AS dst, step, "group", duration_ns, bytes,
+        snd AS (SELECT rank AS src, peer AS dst, step, "group", {inside} AS duration_ns, bytes,
                        row_number() OVER (PARTITION BY rank, peer, step ORDER BY seq) AS k
                 FROM collectives WHERE op = 'send' AND peer IS NOT NULL AND {ok}),
-        rcv AS (SELECT peer AS src, rank AS dst, step, duration_ns,
+        rcv AS (SELECT peer AS src, rank AS dst, step, {inside} AS duration_ns,
                        row_number() OVER (PARTITION BY rank, peer, step ORDER BY seq) AS k
                 FROM collectives WHERE op = 'recv' AND peer IS NOT NULL AND {ok}),
         p2p AS (
@@ -162,11 +205,12 @@ def _op_transfers_sql(since_step: int | None, group_info: str) -> str:
             FROM p2p JOIN g USING ("group"))"""
 
 
-def group_transfer(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
+def group_transfer(con: duckdb.DuckDBPyConnection, since_step: int | None = None,
+                   clock: Clock = Clock.CPU) -> pl.DataFrame:
     """Per group per step: the median transfer time of its operations (see `_op_transfers_sql`)."""
     if not {Table.COLLECTIVES, Table.TOPOLOGY} <= _tables(con):
         return conform("group_transfer", None)
-    return _group_transfer(con, _op_transfers_sql(since_step, _group_info(con)))
+    return _group_transfer(con, _op_transfers_sql(since_step, _group_info(con), clock))
 
 
 def _group_transfer(con: duckdb.DuckDBPyConnection, ops: str) -> pl.DataFrame:
@@ -176,12 +220,12 @@ def _group_transfer(con: duckdb.DuckDBPyConnection, ops: str) -> pl.DataFrame:
         FROM op GROUP BY ALL ORDER BY "group", step"""))
 
 
-def links(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
+def links(con: duckdb.DuckDBPyConnection, since_step: int | None = None, clock: Clock = Clock.CPU) -> pl.DataFrame:
     """Per inter-host link per group kind per step: bytes moved and median transfer time of the operations that
     crossed it, and the effective bandwidth in Gbit/s."""
     if not {Table.COLLECTIVES, Table.TOPOLOGY} <= _tables(con):
         return conform("links", None)
-    return _links(con, _op_transfers_sql(since_step, _group_info(con)))
+    return _links(con, _op_transfers_sql(since_step, _group_info(con), clock))
 
 
 def _links(con: duckdb.DuckDBPyConnection, ops: str) -> pl.DataFrame:
@@ -196,18 +240,39 @@ def _links(con: duckdb.DuckDBPyConnection, ops: str) -> pl.DataFrame:
 _OPS = "_rankwatch_op_transfers"
 
 
-def _links_and_group_transfer(con: duckdb.DuckDBPyConnection,
-                              since_step: int | None) -> tuple[pl.DataFrame, pl.DataFrame]:
+def _links_and_group_transfer(con: duckdb.DuckDBPyConnection, since_step: int | None,
+                              clock: Clock = Clock.CPU) -> tuple[pl.DataFrame, pl.DataFrame]:
     """`links` and `group_transfer` from one computation of the operations they both aggregate."""
     if not {Table.COLLECTIVES, Table.TOPOLOGY} <= _tables(con):
         return conform("links", None), conform("group_transfer", None)
-    con.execute(f"CREATE OR REPLACE TEMP TABLE {_OPS} AS WITH {_op_transfers_sql(since_step, _group_info(con))} "
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {_OPS} AS WITH {_op_transfers_sql(since_step, _group_info(con), clock)} "
                 "SELECT * FROM op")
     try:
         shared = f"op AS (SELECT * FROM {_OPS})"
         return _links(con, shared), _group_transfer(con, shared)
     finally:
         con.execute(f"DROP TABLE {_OPS}")
+
+
+def host(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
+    """Per rank per step (device clock): how much longer than its stage peers the rank's host thread took in the
+    step's phases — the positive parts of (CPU phase duration - the stage's median of that phase) summed over the
+    step's phases, less the stage's median of that sum (frames.FRAME_SCHEMAS['host']). Empty without phases."""
+    if Table.PHASES not in _tables(con):
+        return conform("host", None)
+    stage = ("(SELECT rank, arg_max(pp, attempt) AS pp FROM topology GROUP BY rank)" if Table.TOPOLOGY in _tables(con)
+             else "(SELECT DISTINCT rank, 0 AS pp FROM phases)")
+    return conform("host", _frame(con, f"""
+        WITH p AS (
+            SELECT ph.rank, ph.step, ph.phase, ph.duration_ns, s.pp
+            FROM phases ph JOIN {stage} s USING (rank) WHERE ph.step >= 0 {_since(since_step, 'ph.step')}),
+        m AS (SELECT pp, step, phase, median(duration_ns) AS med FROM p GROUP BY ALL),
+        r AS (
+            SELECT p.rank, p.pp, p.step, sum(greatest(p.duration_ns - m.med, 0)) AS excess
+            FROM p JOIN m USING (pp, step, phase) GROUP BY ALL),
+        b AS (SELECT pp, step, median(excess) AS base FROM r GROUP BY ALL)
+        SELECT r.rank, r.step, greatest(r.excess - b.base, 0)::BIGINT AS host_excess_ns
+        FROM r JOIN b USING (pp, step) ORDER BY r.rank, r.step"""))
 
 
 def gpu(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
@@ -349,24 +414,27 @@ def heartbeat_interval_ns(con: duckdb.DuckDBPyConnection, since_step: int | None
 
 
 def load_frames(run_dir: Path | str | None = None, *, con: duckdb.DuckDBPyConnection | None = None,
-                since_step: int | None = None) -> Frames:
-    """Everything the detectors read about a run (or its steps from `since_step` on). Pass a run directory or an
-    open connection."""
+                since_step: int | None = None, clock: Clock = Clock.AUTO) -> Frames:
+    """Everything the detectors read about a run (or its steps from `since_step` on), timing from `clock`
+    (`run_clock`; AUTO = the device columns where every rank has them). Pass a run directory or an open
+    connection."""
     if con is None:
         if run_dir is None:
             raise ValueError("load_frames: give a run directory or a connection")
         con = connect(run_dir)
     token = _KNOWN_TABLES.set((con, frozenset(_tables(con))))  # every query asks; the catalog stays as it is
     try:
-        link_frame, transfer_frame = _links_and_group_transfer(con, since_step)
+        clock, _ = run_clock(con, clock, since_step)
+        link_frame, transfer_frame = _links_and_group_transfer(con, since_step, clock)
         return Frames(
-            topology=topology(con), groups=groups(con), steps=steps(con, since_step),
-            lateness=lateness(con, since_step), links=link_frame,
+            topology=topology(con), groups=groups(con), steps=steps(con, since_step, clock),
+            lateness=lateness(con, since_step, clock), links=link_frame,
             group_transfer=transfer_frame, gpu=gpu(con, since_step),
             checkpoints=checkpoints(con, since_step), fingerprints=fingerprints(con, since_step),
             events=events(con), liveness=liveness(con), open_collectives=open_collectives(con),
             collective_errors=collective_errors(con), end_wall_ns=end_wall_ns(con),
             heartbeat_interval_ns=heartbeat_interval_ns(con, since_step), replays=replays(con, since_step),
+            host=host(con, since_step) if clock is Clock.DEVICE else conform("host", None), clock=clock,
         )
     finally:
         _KNOWN_TABLES.reset(token)
@@ -375,40 +443,52 @@ def load_frames(run_dir: Path | str | None = None, *, con: duckdb.DuckDBPyConnec
 # -- the standard questions -------------------------------------------------------------------------------------
 
 
-def arrival_order(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
+def arrival_order(con: duckdb.DuckDBPyConnection, since_step: int | None = None,
+                  clock: Clock = Clock.AUTO) -> pl.DataFrame:
     """Per blocking collective operation and member: arrival order (0 = first) and lateness, clock-free. The
     member that waited longest arrived first; the one that waited least arrived last and is the one the others
-    waited for. lateness_ns = longest wait in the operation - this member's wait."""
+    waited for. lateness_ns = longest wait in the operation - this member's wait. On the device clock (`run_clock`)
+    from the operations' device time: a CUDA collective's CPU time is launch latency, and its order launch jitter."""
     if Table.COLLECTIVES not in _tables(con):
         return pl.DataFrame()
+    clock, _ = run_clock(con, clock, since_step)
+    inside, which = _inside(clock)
     return _frame(con, f"""
-        SELECT step, "group", group_seq, op, rank::INTEGER AS rank, duration_ns AS wait_ns,
-               (rank() OVER w) - 1 AS arrival, max(duration_ns) OVER w - duration_ns AS lateness_ns
+        SELECT step, "group", group_seq, op, rank::INTEGER AS rank, {inside} AS wait_ns,
+               (rank() OVER w) - 1 AS arrival, max({inside}) OVER w - {inside} AS lateness_ns, '{clock}' AS clock
         FROM collectives
-        WHERE status = '{CollectiveStatus.OK}' AND NOT async_op AND op IN {_MEMBER_OPS} AND len(group_ranks) > 1
+        WHERE status = '{CollectiveStatus.OK}' AND {which} AND op IN {_MEMBER_OPS} AND len(group_ranks) > 1
               {_since(since_step)}
-        WINDOW w AS (PARTITION BY "group", group_seq, step ORDER BY duration_ns DESC)
+        WINDOW w AS (PARTITION BY "group", group_seq, step ORDER BY {inside} DESC)
         ORDER BY step, "group", group_seq, arrival""")
 
 
-def compute_decomposition(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
+def compute_decomposition(con: duckdb.DuckDBPyConnection, since_step: int | None = None,
+                          clock: Clock = Clock.AUTO) -> pl.DataFrame:
     """Per rank: where its step time goes — median step, compute, collective wait, dataloader wait and checkpoint
-    time (ms), and compute's share of the step."""
+    time (ms), and compute's share of the step. On the device clock (`run_clock`) step, compute and collective
+    wait are the device's (`device_ns`, `device_compute_ns`, `device_collective_ns`); dataloader and checkpoint
+    time are the host's on either clock."""
     if Table.STEPS not in _tables(con):
         return pl.DataFrame()
+    clock, _ = run_clock(con, clock, since_step)
+    step, comp, wait = (("device_ns", "device_compute_ns", "device_collective_ns") if clock is Clock.DEVICE
+                        else ("duration_ns", "compute_ns", "collective_wait_ns"))
     return _frame(con, f"""
         SELECT rank::INTEGER AS rank, count(*) AS steps,
-               median(duration_ns) / 1e6 AS step_ms, median(compute_ns) / 1e6 AS compute_ms,
-               median(collective_wait_ns) / 1e6 AS collective_wait_ms,
+               median({step}) / 1e6 AS step_ms, median({comp}) / 1e6 AS compute_ms,
+               median({wait}) / 1e6 AS collective_wait_ms,
                median(dataloader_wait_ns) / 1e6 AS dataloader_wait_ms, sum(checkpoint_ns) / 1e6 AS checkpoint_ms_total,
-               sum(compute_ns) / greatest(sum(duration_ns), 1) AS compute_share
+               sum({comp}) / greatest(sum({step}), 1) AS compute_share, '{clock}' AS clock
         FROM steps WHERE true {_since(since_step)} GROUP BY rank ORDER BY rank""")
 
 
-def link_bandwidth(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
+def link_bandwidth(con: duckdb.DuckDBPyConnection, since_step: int | None = None,
+                   clock: Clock = Clock.AUTO) -> pl.DataFrame:
     """Per inter-host link and group kind: effective bandwidth (Gbit/s) over the window, median per-step transfer
-    time, and how it compares with the other links of the same group kind (1.0 = the median link)."""
-    df = links(con, since_step)
+    time, and how it compares with the other links of the same group kind (1.0 = the median link). On the device
+    clock (`run_clock`) from the operations' device time."""
+    df = links(con, since_step, run_clock(con, clock, since_step)[0])
     if df.height == 0:
         return df
     per = df.group_by("link", "kind").agg(

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from rankwatch.analytics.frames import Frames
+from rankwatch.analytics.frames import Clock, Frames
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.collector.schema import SLOWDOWN_REASONS, Gpu, Steps, ThrottleReason, Topology
 
@@ -185,7 +185,8 @@ def _own_table(frames: Frames, config: StragglerConfig) -> pl.DataFrame:
     steps = frames.steps.select(
         _R, _S, Steps.END_WALL_NS.value, Steps.COMPUTE_NS.value, Steps.DATALOADER_WAIT_NS.value,
         Steps.CHECKPOINT_NS.value,
-    ).join(topo, on=_R, how="left")
+    ).filter(pl.col(Steps.COMPUTE_NS.value).is_not_null()).join(topo, on=_R, how="left")
+    # (compute is null only on the device clock, for steps whose device events were dropped unresolved)
     comp, dl, ck = (pl.col(c.value).fill_null(0).cast(pl.Float64) for c in
                     (Steps.COMPUTE_NS, Steps.DATALOADER_WAIT_NS, Steps.CHECKPOINT_NS))
     steps = steps.with_columns(
@@ -299,6 +300,8 @@ def _rank_incidents(frames: Frames, table: pl.DataFrame, config: StragglerConfig
     sub = table.filter(pl.col(_R).is_in(cand))
     clock = _clock_table(frames, cand)
     late = frames.lateness.filter(pl.col(_R).is_in(cand))
+    device = frames.clock is Clock.DEVICE
+    host = frames.host.filter(pl.col(_R).is_in(cand)) if device else None
     # Base rate of elevated rank-steps over the whole job: under random per-step skew any rank is elevated now and
     # then, and a rank whose elevated steps are not significantly more than that rate is not a straggler.
     elevated = table.get_column("x") > config.sustain_excess
@@ -318,7 +321,7 @@ def _rank_incidents(frames: Frames, table: pl.DataFrame, config: StragglerConfig
             # Random per-step skew makes short runs of "slow" steps by chance; only sustained runs stand then.
             if skew_found and longest < config.sustain_window:
                 continue
-            out.append(_rank_incident(int(rank), group, rows, clock, late, noise, config))
+            out.append(_rank_incident(int(rank), group, rows, clock, late, noise, config, device=device, host=host))
     return out
 
 
@@ -368,7 +371,8 @@ def _episode_mask(col: pl.Expr, group: list[_Episode]) -> pl.Expr:
 
 
 def _rank_incident(rank: int, group: list[_Episode], rows: pl.DataFrame, clock: pl.DataFrame, late: pl.DataFrame,
-                   noise: float, config: StragglerConfig) -> Incident:
+                   noise: float, config: StragglerConfig, *, device: bool = False,
+                   host: pl.DataFrame | None = None) -> Incident:
     first = group[0]
     mask = _episode_mask(pl.col(_S), group)
     ep = rows.filter(mask)
@@ -382,24 +386,31 @@ def _rank_incident(rank: int, group: list[_Episode], rows: pl.DataFrame, clock: 
         cause, cause_note = Cause.DATALOADER, f"dataloader wait explains {ex_dl / ex_own:.0%} of the excess"
     else:
         cause, cause_note, gpu_ev = _throttle_cause(rank, slow.get_column(_S), clock, config)
+    host_ev = None
+    if cause is Cause.UNKNOWN and device:
+        cause, cause_note, host_ev = _host_or_device(rank, slow, host, ex_own - ex_dl, config)
     det_wall = rows.filter(pl.col(_S) == first.detection).get_column(Steps.END_WALL_NS.value)
     bursts = len(group)
     span = f"steps {first.onset}..{group[-1].end}"
     shape = f"in {bursts} bursts ({span})" if bursts > 1 else f"from step {first.onset} ({span})"
-    summary = (f"rank {rank} computes {effect:.1%} slower than its median {rows['peer'][0]} peer {shape}; "
+    what = "its own device work takes" if device else "computes"
+    summary = (f"rank {rank} {what} {effect:.1%} slower than its median {rows['peer'][0]} peer {shape}; "
                f"detected at step {first.detection}; cause {cause}" + (f": {cause_note}" if cause_note else ""))
     persistence = min(1.0, slow.height / 10)
     confidence = 0.5 + 0.49 * math.tanh(effect / (4 * noise)) * persistence
+    comp_col = "device_compute_ns" if device else "compute_ns"
     evidence = [Evidence(
         source="steps",
-        summary=f"own time (compute + dataloader wait) against the median of the role peers; excess {effect:.1%} "
-                f"median over {slow.height} slow steps, noise {noise:.2%} per step",
-        columns=("rank", "step", "compute_ns", "dataloader_wait_ns", "peer_median_ns", "ratio"),
+        summary=f"own time ({'device compute' if device else 'compute'} + dataloader wait) against the median of the "
+                f"role peers; excess {effect:.1%} median over {slow.height} slow steps, noise {noise:.2%} per step",
+        columns=("rank", "step", comp_col, "dataloader_wait_ns", "peer_median_ns", "ratio"),
         rows=tuple((rank, int(s), int(c), int(d), int(m), round(1 + float(xx), 4)) for s, c, d, m, xx in
                    slow.select(_S, "comp", "dl", "med_own", "x").head(20).iter_rows()),
     )]
     if gpu_ev is not None:
         evidence.append(gpu_ev)
+    if host_ev is not None:
+        evidence.append(host_ev)
     lt = late.filter(pl.col(_R) == rank).filter(mask)
     if lt.height:
         arrivals = int(lt.get_column(_LAST_ARRIVALS).fill_null(0).sum())
@@ -414,9 +425,33 @@ def _rank_incident(rank: int, group: list[_Episode], rows: pl.DataFrame, clock: 
         klass=IncidentClass.STRAGGLER, subject=Subject(kind=SubjectKind.RANK, id=str(rank)), ranks=(rank,),
         onset_step=first.onset, detection_step=first.detection, confidence=min(confidence, 1.0), cause=cause,
         summary=summary, detection_wall_ns=int(det_wall[0]) if len(det_wall) and det_wall[0] is not None else None,
-        fields=("compute_ns", "dataloader_wait_ns") if cause is Cause.DATALOADER else ("compute_ns",),
+        fields=(comp_col, "dataloader_wait_ns") if cause is Cause.DATALOADER else (comp_col,),
         evidence=tuple(evidence),
     )
+
+
+def _host_or_device(rank: int, slow: pl.DataFrame, host: pl.DataFrame | None, excess_ns: float,
+                    config: StragglerConfig) -> tuple[Cause, str, Evidence | None]:
+    """On the device clock, whether a slow rank's excess device time is its host thread's (the GPU waited for the
+    host: the CPU phases of the rank ran longer than its peers' by at least `cause_share` of the excess) or the
+    device's own (they did not). Without phase rows the two cannot be told apart: UNKNOWN, saying so."""
+    if host is None or host.height == 0:
+        return Cause.UNKNOWN, "no phase rows to tell a stalled host from a slow device", None
+    h = host.filter((pl.col(_R) == rank) & pl.col(_S).is_in(slow.get_column(_S).implode()))
+    if h.height == 0:
+        return Cause.UNKNOWN, "no phase rows for the slow steps to tell a stalled host from a slow device", None
+    host_ns = float(h.get_column("host_excess_ns").fill_null(0).sum()) * slow.height / h.height
+    share = host_ns / excess_ns if excess_ns > 0 else 0.0
+    ev = Evidence(
+        source="phases",
+        summary=f"host-thread time in the phases beyond the stage peers' (CPU clock) against the excess device time: "
+                f"{share:.0%} of it",
+        columns=("rank", "step", "host_excess_ns"),
+        rows=tuple((rank, int(s), int(v or 0)) for s, v in h.sort(_S).select(_S, "host_excess_ns").head(20).iter_rows()),
+    )
+    if share >= config.cause_share:
+        return Cause.HOST_STALL, f"its host thread explains {share:.0%} of the excess (the GPU waited for it)", ev
+    return Cause.DEVICE_SLOW, f"its host thread explains only {share:.0%} of the excess: the device itself is slower", ev
 
 
 def _throttle_cause(rank: int, slow_steps: pl.Series, clock: pl.DataFrame,
