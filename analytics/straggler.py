@@ -7,7 +7,11 @@ it step by step with its role peers (same pipeline stage, which should do the sa
 
     excess[r, s] = own_ns[r, s] / (median peer compute_ns + median peer dataloader_wait_ns at step s) - 1
 
-so 0.10 means rank r was 10 % slower than its median peer at step s. A rank's slowdown score is the rolling
+so 0.10 means rank r was 10 % slower than its median peer at step s. On the device clock (`Frames.clock`, a CUDA
+run) compute_ns is the device time of the rank's own work: the training thread's clock sees only enqueueing and a
+wait at the sync point that is the same on every rank. There a slow rank's cause also says whether its host thread
+held the device (its CPU phases ran longer than its peers': HOST_STALL) or the device itself was slower
+(DEVICE_SLOW), unless throttle bits or dataloader wait explain it. A rank's slowdown score is the rolling
 median of `excess` over the last `score_window` steps. Per-step noise (~1 %) and per-device spread (~0.5 %) make
 single steps meaningless, so an incident needs persistence, tested two ways:
 
