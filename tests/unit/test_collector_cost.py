@@ -1,0 +1,44 @@
+"""benchmarks/collector_cost.py --quick runs every part and prints the whole table (not its timing targets: those
+belong to the benchmark's full run)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+ROWS = (
+    "critical path per step, a",
+    "critical path per collective, b",
+    "critical path at 0 collectives a step",
+    "critical path at 10 collectives a step",
+    "critical path at 100 collectives a step",
+    "per-collective breakdown",
+    "background CPU at 0.1 s steps × 100 collectives",
+    "ON vs OFF step time, 2 ranks on 2 cores",
+    "ON vs OFF training-thread CPU per step",
+    "projected overhead, 0.1 s step × 100 collectives",
+    "projected overhead, 0.5 s step × 1,000 collectives",
+    "projected overhead, 2 s step × 1,000 collectives",
+    "collector internal errors + dropped rows",
+    "target: ON vs OFF ≤ 0.5 %",
+    "target: projected 0.5 s step × 1,000 collectives ≤ 0.3 %",
+)
+
+
+@pytest.mark.slow  # spawns 2 gloo ranks four times
+@pytest.mark.timeout(420)
+def test_quick_run_prints_every_row() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "collector_cost.py"), "--quick"],
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert table[0] == "| figure | value |"
+    for row in ROWS:
+        assert any(line.startswith(f"| {row}") for line in table), f"no row {row!r} in:\n" + "\n".join(table)
+    errors = next(line for line in table if line.startswith("| collector internal errors"))
+    assert errors.endswith("| 0 |"), errors
