@@ -2,6 +2,7 @@
 
 from rankwatch.collector.collectives import CollectiveTracker, GroupInfo
 from rankwatch.collector.collector import CheckpointPhaseRecord, Collector, CollectorConfig, StepRecord
+from rankwatch.collector.device import CudaDeviceTimer, DeviceTimer, FakeDeviceTimer, Mark
 from rankwatch.collector.fingerprint import Fingerprint, fingerprint
 from rankwatch.collector.gpu import (
     DeviceInfo,
@@ -25,13 +26,17 @@ __all__ = [
     "CollectiveTracker",
     "Collector",
     "CollectorConfig",
+    "CudaDeviceTimer",
     "DeviceInfo",
+    "DeviceTimer",
+    "FakeDeviceTimer",
     "Fingerprint",
     "GpuMonitor",
     "GpuSample",
     "GpuSampler",
     "GpuUnavailable",
     "GroupInfo",
+    "Mark",
     "MemorySink",
     "NullCollector",
     "NvmlSampler",

@@ -5,8 +5,13 @@ monotonic clock read at each end) and appends it to the step in progress. Rows a
 writer thread (`CollectiveTracker.drain`), with wall-clock times derived from the step's wall − monotonic offset.
 An operation that never exits — the rank died, hung or was killed inside it — stays open; the writer snapshots
 open operations older than a threshold as ``in_flight`` rows at every flush, and writes the exited operations of
-a step still running, so a post-mortem sees where every rank was stuck. On CUDA, device time comes from CUDA
-events resolved after the fact by polling ``Event.query()``; nothing here synchronizes the device.
+a step still running, so a post-mortem sees where every rank was stuck.
+
+Device time (with a `DeviceTimer`, collector/device.py): a blocking operation is marked on the current stream
+before the call and after it (the blocking API makes the current stream wait for NCCL's); an asynchronous one
+before the call and in its future's callback (torch runs a CUDA future's callbacks on streams synchronized with
+its value, i.e. after the collective on NCCL's stream). The writer resolves the marks later (`settle_op`) and never
+waits for the device: an operation's row waits until its marks completed, or at most `device_resolve_s`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rankwatch.collector.device import DeviceTimer, Mark
 from rankwatch.collector.schema import CollectiveStatus, Collectives, GroupKind, Table, column_names, link_name
 from rankwatch.collector.sink import Row
 
@@ -57,6 +63,7 @@ class StepRecord:
     __slots__ = (
         "step", "start_wall_ns", "start_mono_ns", "end_mono_ns", "loss", "local_grad_norm", "data_position",
         "dataloader_wait_ns", "checkpoint_ns", "seq", "ops", "phases", "grad_sq", "failed", "written",
+        "dev_start", "dev_end", "device",
     )
 
     def __init__(self, step: int, start_wall_ns: int = 0, start_mono_ns: int = 0) -> None:
@@ -83,6 +90,11 @@ class StepRecord:
         self.written = 0
         """How many of `ops` the writer already wrote while the step was still running (it writes them in order,
         up to the first that has not exited)."""
+        self.dev_start: Mark | None = None
+        """Device marks at step start and end (with a `DeviceTimer`, while not yet resolved)."""
+        self.dev_end: Mark | None = None
+        self.device: tuple[int, int | None, int | None] | None = None
+        """(device_ns, device_compute_ns, device_collective_ns) once resolved; None: null device columns."""
 
     @property
     def wall_offset_ns(self) -> int:
@@ -166,7 +178,7 @@ class _Open:
 
     __slots__ = (
         "_tracker", "op", "_group_obj", "nbytes", "dtype", "peer", "async_op", "group", "group_seq", "seq",
-        "record", "enter_mono", "exit_mono", "wall_offset", "cuda_start", "cuda_end", "_cuda_tensor",
+        "record", "enter_mono", "exit_mono", "wall_offset", "_dev", "dev_start", "dev_end", "dev_ns", "dev_at",
     )
     # set when built (`_make`, or inline in `Collector.collective`)
     _tracker: CollectiveTracker
@@ -176,7 +188,9 @@ class _Open:
     dtype: torch.dtype | None
     peer: int | None
     async_op: bool
-    _cuda_tensor: bool
+    _dev: int
+    """Device timing: 0 none; 1 marked, not yet resolved; 2 resolved (`dev_ns`, `dev_at`); -1 given up (a mark
+    was skipped or did not complete in time)."""
     # set when entered
     group: GroupInfo
     group_seq: int
@@ -189,9 +203,13 @@ class _Open:
     # set on the uncommon paths
     wall_offset: int
     """wall - monotonic clock at entry, for operations outside a step."""
-    cuda_start: Any
-    """CUDA event recorded at entry (blocking operations on CUDA tensors), else None."""
-    cuda_end: Any
+    dev_start: Mark | None
+    """Device marks at entry and exit (set when `_dev` is 1 at entry; released once resolved)."""
+    dev_end: Mark | None
+    dev_ns: int | None
+    """Device ns between the marks, once resolved."""
+    dev_at: int | None
+    """Device ns from the step's start mark to the entry mark, once resolved (None outside a step)."""
 
     def __enter__(self) -> GroupInfo | None:
         t = self._tracker
@@ -207,10 +225,8 @@ class _Open:
                 record.ops.append(self)
             else:
                 t._enter_loose(self)
-            if self._cuda_tensor:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
-                self.cuda_start = start
+            if self._dev:
+                t._start_mark(self)
             self.enter_mono = _mono()
             return info
         except Exception as exc:
@@ -220,12 +236,17 @@ class _Open:
             self.record = None
             if hasattr(self, "enter_mono"):
                 del self.enter_mono
+            if self._dev and t._timer is not None:
+                t._timer.release(getattr(self, "dev_start", None))
+            self._dev = 0
             t._on_internal("collective.enter", exc)
             return None
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self._dev:  # before the clock read: the writer sees the end mark once it sees `exit_mono`
+            self._tracker._end_mark(self, exc)
         self.exit_mono = _mono()
-        if exc is not None or self.record is None or self._cuda_tensor:
+        if exc is not None or self.record is None:
             self._tracker._exit_slow(self, exc)
 
     @property
@@ -245,12 +266,13 @@ def _make(tracker: CollectiveTracker, op: str, group: Any, tensor: Any, peer: in
     inline, once per collective)."""
     o: _Open = _alloc(_Open)
     o._tracker, o.op, o._group_obj, o.peer, o.async_op = tracker, op, group, peer, async_op
+    mode = tracker._dev_mode
     if isinstance(tensor, _Tensor):
         o.nbytes, o.dtype = tensor.nbytes, tensor.dtype
-        o._cuda_tensor = tracker._cuda and not async_op and tensor.is_cuda
+        o._dev = mode and (mode == 2 or tensor.is_cuda)
     else:
         o.nbytes, o.dtype = _payload(tensor)
-        o._cuda_tensor = False
+        o._dev = mode and (mode == 2 or bool(tensor and tensor[0].is_cuda))
     return o
 
 
@@ -265,9 +287,12 @@ class CollectiveTracker:
         on_error: Callable[[BaseException, _Open], None],
         on_internal: Callable[[str, Exception], None],
         inflight_after_s: float = 0.5,
+        timer: DeviceTimer | None = None,
+        device_resolve_s: float = 5.0,
     ) -> None:
         """`append` adds one row to the collectives table (`Sink.appender(Table.COLLECTIVES)`): rows of operations
-        outside a step, written when they exit. Rows of a step's operations are built by `drain`."""
+        outside a step, written when they exit. Rows of a step's operations are built by `drain`. With a `timer`,
+        operations are marked on the device and their rows wait for the marks, at most `device_resolve_s`."""
         self._rank = rank
         self._append_row = append
         self.current: StepRecord | None = None
@@ -285,10 +310,19 @@ class CollectiveTracker:
         """Error text of failed operations until their rows are written (kept off the object: the common, successful
         operation then never has the attribute looked up and missing)."""
         self._late: list[_Open] = []
-        """Operations of finished steps (or outside steps) that had not exited, or whose CUDA events had not
+        """Operations of finished steps (or outside steps) that had not exited, or whose device marks had not
         completed, when the writer came to them: retried at every drain."""
-        self._cuda = torch.cuda.is_available()  # no CUDA: skip the per-collective device checks
+        self._resolve_ns = int(device_resolve_s * 1e9)
+        self._timer: DeviceTimer | None = None
+        self._dev_mode = 0
+        """0: no device timing; 1: operations on CUDA tensors are marked; 2: every operation is (the fake)."""
+        self.set_timer(timer)
         self._lock = threading.Lock()
+
+    def set_timer(self, timer: DeviceTimer | None) -> None:
+        """Time operations entered from now on with `timer` (the collector calls it before the first step)."""
+        self._timer = timer
+        self._dev_mode = 0 if timer is None else (1 if timer.cuda_only else 2)
 
     # -- groups ---------------------------------------------------------------------------------------
     def register_group(self, group: Any, info: GroupInfo) -> None:
@@ -356,33 +390,44 @@ class CollectiveTracker:
         with self._lock:
             self._live.add(o)
 
+    def _start_mark(self, o: _Open) -> None:
+        """Entering a device-timed operation: its entry mark (`_dev` -1 when the pool is empty)."""
+        o.dev_end = o.dev_ns = o.dev_at = None
+        timer = self._timer
+        m = o.dev_start = timer.mark() if timer is not None else None
+        o._dev = 1 if m is not None else -1
+
+    def _end_mark(self, o: _Open, exc: BaseException | None) -> None:
+        """Leaving a device-timed operation: its exit mark, on the current stream. Never raises."""
+        try:
+            if o._dev == 1 and exc is None and self._timer is not None:
+                o.dev_end = self._timer.mark()
+        except Exception as internal:
+            self._on_internal("collective.device_mark", internal)
+
     def _exit_slow(self, o: _Open, exc: BaseException | None) -> None:
         """The uncommon exits: a failed operation (error recorded, then the error callback), one outside a step
-        (written now), a CUDA one (its end event recorded; the writer resolves it later). Never raises."""
+        (written now, or by `drain` once its device marks resolved). Never raises."""
         try:
             if not hasattr(o, "enter_mono"):  # entering failed: nothing to record
                 return
             if exc is not None:
                 with self._lock:
                     self._errors[o] = f"{type(exc).__name__}: {exc}"[:500]
-            elif getattr(o, "cuda_start", None) is not None:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                o.cuda_end = end
             if o.record is None:  # outside a step: leave the open set, and write the row now
-                pending_cuda = getattr(o, "cuda_end", None) is not None
+                pending_device = o._dev == 1
                 with self._lock:
                     self._live.discard(o)
-                    if pending_cuda:
-                        self._late.append(o)  # written by `drain` once its events completed
-                if not pending_cuda:
-                    self._append_row(self._final_row(o, None))  # outside the lock: a sink may take its own
+                    if pending_device:
+                        self._late.append(o)  # written by `drain` once its marks resolved
+                if not pending_device:
+                    self._append_row(self._final_row(o))  # outside the lock: a sink may take its own
             if exc is not None:
                 self._on_error(exc, o)
         except Exception as internal:
             self._on_internal("collective.exit", internal)
 
-    def _row(self, o: _Open, device_ns: int | None = None) -> Row:
+    def _row(self, o: _Open) -> Row:
         """The `collectives` row of an entered operation, as it stands (in flight if it has not exited)."""
         record = o.record
         if record is not None:
@@ -393,67 +438,88 @@ class CollectiveTracker:
         enter, end = o.enter_mono, o.exit_mono
         error = self._errors.get(o) if self._errors else None
         status = _ERROR if error is not None else (_IN_FLIGHT if end is None else _OK)
+        device_ns, device_at = (o.dev_ns, o.dev_at) if o._dev else (None, None)
         return (
             self._rank, step, seq, o.group_seq, o.op, g.name, g.ranks, o.peer, o.nbytes, _dtype_name(o.dtype),
             o.async_op, enter + offset, enter,
             None if end is None else end + offset, end, None if end is None else end - enter,
-            device_ns, None, status, error,
+            device_ns, device_at, status, error,
         )
 
-    def _final_row(self, o: _Open, device_ns: int | None) -> Row:
+    def _final_row(self, o: _Open) -> Row:
         """The row of an exited operation, written once: its error text is not kept past it."""
-        row = self._row(o, device_ns)
+        row = self._row(o)
         if self._errors:
             with self._lock:
                 self._errors.pop(o, None)
         return row
 
-    def _device_ns(self, o: _Open, *, wait: bool) -> tuple[bool, int | None]:
-        """(ready, device ns) of an exited operation: CUDA ones are ready once their end event completed."""
-        if not o._cuda_tensor:
-            return True, None
-        start = getattr(o, "cuda_start", None)
-        end = getattr(o, "cuda_end", None)
-        if start is None or end is None:
-            return True, None
-        if not wait and not end.query():
-            return False, None
-        if wait:
-            end.synchronize()
-        return True, int(start.elapsed_time(end) * 1e6)
+    def settle_op(self, o: _Open, expired: bool) -> bool:
+        """Resolve `o`'s device marks if they completed (writer thread; never waits): True once its device columns
+        are final, values or nulls, and its marks are back in the pool. `expired`: give up on what has not
+        completed (or, for an operation not yet exited, on its device time)."""
+        if o._dev != 1:
+            return True
+        timer = self._timer
+        assert timer is not None
+        if o.exit_mono is None:
+            if not expired:
+                return False
+            o._dev = -1  # an exit racing this still records its end mark: that one mark is not returned
+            timer.release(o.dev_start)
+            o.dev_start = None
+            return True
+        start, end = o.dev_start, o.dev_end
+        ns = at = None
+        if start is not None and end is not None:
+            ns = timer.elapsed_ns(start, end)
+            record = o.record
+            base = record.dev_start if record is not None else None
+            if ns is not None and base is not None:
+                at = timer.elapsed_ns(base, start)
+                if at is None:  # the step's start mark (another stream) has not completed yet
+                    ns = None
+            if ns is None and not expired:
+                return False
+        o.dev_start = o.dev_end = None
+        timer.release(start, end)
+        if ns is None:
+            o._dev = -1
+        else:
+            o.dev_ns, o.dev_at, o._dev = (ns if ns > 0 else 0), at, 2
+        return True
 
-    def drain(self, done: Iterable[StepRecord], current: StepRecord | None = None, *, wait: bool = False) -> list[Row]:
+    def drain(self, done: Iterable[StepRecord], current: StepRecord | None = None, *, final: bool = False) -> list[Row]:
         """Rows of exited operations not yet written: those of finished steps `done`, those kept back earlier, and
-        the leading exited ones of the step in progress. Operations not yet exited (or with CUDA events not yet
-        complete, unless `wait`) are kept back for the next drain. Runs on the writer thread."""
+        the leading exited ones of the step in progress. Operations not yet exited (or with device marks not yet
+        complete, for at most `device_resolve_s` after their exit; `final`: not at all) are kept back for the next
+        drain. Runs on the writer thread."""
         rows: list[Row] = []
         with self._lock:
             late, self._late = self._late, []
         keep: list[_Open] = []
         for record in done:
             late.extend(record.ops[record.written :])
+        now, bound = _mono(), self._resolve_ns
         for o in late:
             if not hasattr(o, "enter_mono"):
                 continue
-            if o.exit_mono is None:
+            end = o.exit_mono
+            if end is None or (o._dev == 1 and not self.settle_op(o, final or now - end > bound)):
                 keep.append(o)
                 continue
-            ready, device_ns = self._device_ns(o, wait=wait)
-            if ready:
-                rows.append(self._final_row(o, device_ns))
-            else:
-                keep.append(o)
+            rows.append(self._final_row(o))
         if current is not None:
             ops, i = current.ops, current.written
             n = len(ops)
             while i < n:
                 o = ops[i]
-                if not hasattr(o, "enter_mono") or o.exit_mono is None:
+                if not hasattr(o, "enter_mono"):
                     break
-                ready, device_ns = self._device_ns(o, wait=False)
-                if not ready:
+                end = o.exit_mono
+                if end is None or (o._dev == 1 and not self.settle_op(o, final or now - end > bound)):
                     break
-                rows.append(self._final_row(o, device_ns))
+                rows.append(self._final_row(o))
                 i += 1
             current.written = i
         if keep:
@@ -507,7 +573,9 @@ class CollectiveTracker:
                         o.__exit__(type(exc), exc, None)
                     raise
                 if o is not None:
-                    o.__exit__(None, None, None)  # never raises
+                    # never raises; on CUDA this callback runs on streams synchronized with the bucket's all-reduce,
+                    # so the exit mark completes after the collective on NCCL's stream
+                    o.__exit__(None, None, None)
                 return value[0] if isinstance(value, list) else value
 
             return fut.then(done)

@@ -19,6 +19,11 @@ Cost: the hot path (steps, phases, collectives) only stamps small records with m
 them with the step; at step end the step is handed over whole, and the sink's writer thread builds the rows of
 steps, phases and collectives (`_drain`, the sink's source) at every flush. At most `max_pending_steps` finished
 steps wait for it; beyond that, rows are dropped and counted (phases first).
+
+Device time (CUDA): with a `DeviceTimer` (collector/device.py), steps, phases and collectives are also marked on the
+device stream, and the writer resolves the marks after the fact, never waiting: a finished step whose marks have not
+completed is kept back (its step, phase and collective rows wait) and retried at every flush; past
+`device_resolve_s` it is written with null device columns and counted (`device_dropped`, a WARNING event).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from rankwatch.collector.collectives import CollectiveTracker, GroupInfo, StepRecord, _alloc, _make, _Open, _Tensor
+from rankwatch.collector.device import CudaDeviceTimer, DeviceTimer, Mark
 from rankwatch.collector.fingerprint import fingerprint
 from rankwatch.collector.gpu import GpuMonitor, GpuSample, GpuSampler
 from rankwatch.collector.schema import CheckpointPhase, EventKind, Table
@@ -51,7 +57,10 @@ from rankwatch.collector.sink import ParquetSink, Row, Sink, SinkConfig
 log = logging.getLogger("rankwatch.collector")
 WRITER_CPU_PREFIX = "writer thread CPU "
 """The exit event's message: the part-file writer's CPU time until then (parsed by benchmarks)."""
+DEVICE_WARNING_PREFIX = "device timing: "
+"""Start of the WARNING event's message when device marks were given up or skipped."""
 _mono, _wall = time.monotonic_ns, time.time_ns
+_NO_DEVICE = (None, None, None)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -85,6 +94,16 @@ class CollectorConfig:
     rows are dropped and counted, and beyond half of it its phases are (they are low priority)."""
     handle_sigterm: bool = True
     """Record SIGTERM and flush before the process dies (main thread only)."""
+    device_timing: bool = True
+    """Time steps, phases and collectives on the device too (the `device_*` columns), with CUDA events, when the
+    job uses CUDA: CUDA is available and initialized in the process by its first step. Never on a CPU-only job. A
+    `device_timer` given to the collector is used regardless."""
+    device_events: int = 4096
+    """Pool of device marks (CUDA events), allocated once. A step takes 2 + 2 per phase + 2 per collective until its
+    rows are written; when the pool is empty marks are skipped (those rows get null device columns) and counted."""
+    device_resolve_s: float = 5.0
+    """Seconds after a step ends (a collective exits) that its rows wait for its device marks to complete; then
+    they are written with null device columns and counted. Closing polls outstanding marks at most min(1 s, this)."""
 
     def __post_init__(self) -> None:
         for name in ("flush_interval_s", "heartbeat_interval_s", "gpu_interval_s"):
@@ -96,6 +115,10 @@ class CollectorConfig:
             raise ValueError(f"CollectorConfig.max_pending_steps must be >= 2, got {self.max_pending_steps}")
         if self.inflight_after_s < 0:
             raise ValueError(f"CollectorConfig.inflight_after_s must be >= 0, got {self.inflight_after_s}")
+        if self.device_events < 1:
+            raise ValueError(f"CollectorConfig.device_events must be >= 1, got {self.device_events}")
+        if self.device_resolve_s < 0:
+            raise ValueError(f"CollectorConfig.device_resolve_s must be >= 0, got {self.device_resolve_s}")
 
     def sink_config(self) -> SinkConfig:
         return SinkConfig(
@@ -134,6 +157,38 @@ class _Phase:
         c._add_phase(self)
 
 
+class _DevicePhase(_Phase):
+    """A phase also marked on the device (current stream) at both ends; the writer resolves `dev_ns`."""
+
+    __slots__ = ("dev_start", "dev_end", "dev_ns")
+    dev_start: Mark | None
+    dev_end: Mark | None
+    dev_ns: int | None
+
+    def __enter__(self) -> None:
+        c = self._c
+        self._previous = c._phase
+        c._phase = self.name
+        self.dev_end = self.dev_ns = None
+        try:
+            self.dev_start = c._timer.mark()  # type: ignore[union-attr]
+        except Exception as exc:
+            self.dev_start = None
+            c._internal_error("phase.device_mark", exc)
+        self.start = _mono()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.end = _mono()
+        c = self._c
+        if self.dev_start is not None:
+            try:
+                self.dev_end = c._timer.mark()  # type: ignore[union-attr]
+            except Exception as internal:
+                c._internal_error("phase.device_mark", internal)
+        c._phase = self._previous
+        c._add_phase(self)
+
+
 class _Step:
     """The context of `Collector.step` (a class, not a generator: it is on the hot path). Built by
     `Collector.step` without an `__init__` call."""
@@ -160,6 +215,30 @@ def _process_numa_node() -> int | None:
     except (OSError, AttributeError, ValueError):
         pass
     return None
+
+
+def _split(device_ns: int, ops: list[_Open]) -> tuple[int | None, int | None]:
+    """(device_compute_ns, device_collective_ns) of a step: the union of its device-timed collectives' intervals
+    (from the step's start mark, clipped to the step), and the rest. Nulls where one of them has no device time."""
+    spans: list[tuple[int, int]] = []
+    for o in ops:
+        dev = o._dev
+        if not dev:
+            continue
+        at = o.dev_at if dev == 2 else None
+        if at is None:
+            return None, None
+        a, b = max(0, at), min(device_ns, at + (o.dev_ns or 0))
+        if b > a:
+            spans.append((a, b))
+    spans.sort()
+    inside = 0
+    hi = 0
+    for a, b in spans:
+        if b > hi:
+            inside += b - max(a, hi)
+            hi = b
+    return max(0, device_ns - inside), inside
 
 
 def _safe(method: Callable[P, R]) -> Callable[P, R | None]:
@@ -191,7 +270,10 @@ class Collector:
         attempt: int = 0,
         sink: Sink | None = None,
         gpu_sampler: GpuSampler | None = None,
+        device_timer: DeviceTimer | None = None,
     ) -> None:
+        """`device_timer`: device-side timing with this timer (e.g. a `FakeDeviceTimer` in tests); None: a
+        `CudaDeviceTimer` when `config.device_timing` and the job uses CUDA (decided at the first step), else none."""
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -222,13 +304,26 @@ class Collector:
         """Finished steps waiting for the writer thread (`_drain`), at most `config.max_pending_steps`."""
         self._dropped: dict[Table, int] = {Table.STEPS: 0, Table.COLLECTIVES: 0, Table.PHASES: 0}
         self._final = False
+        self._timer: DeviceTimer | None = None
+        self._auto_timer = device_timer is None and config.device_timing
+        """Decide at the first step whether to time on the device (the job may initialize CUDA after building us)."""
+        self._held: list[StepRecord] = []
+        """Finished steps whose device marks have not all completed (writer thread only): at most one per mark."""
+        self._resolve_ns = int(config.device_resolve_s * 1e9)
+        self.device_dropped = 0
+        """Steps written with null device columns because their marks had not completed within `device_resolve_s`."""
+        self._gave_up = False
+        self._reported_device = (0, 0)
         self.tracker = CollectiveTracker(
             rank=rank,
             append=self.sink.appender(Table.COLLECTIVES),  # the tracker's own try/except catches a failing sink
             on_error=self._collective_failed,
             on_internal=self._internal_error,
             inflight_after_s=config.inflight_after_s,
+            device_resolve_s=config.device_resolve_s,
         )
+        if device_timer is not None:
+            self._set_timer(device_timer)
         self.sink.set_source(self._drain)
         self.sink.set_snapshot(self.tracker.in_flight_rows)
 
@@ -271,7 +366,8 @@ class Collector:
                 self._gpu_monitor.stop(timeout_s=2.0)
             if self._heartbeat is not None:
                 self._heartbeat.join(timeout=2.0)
-            self._final = True  # the last drains wait for outstanding CUDA events
+            self._settle_device()
+            self._final = True  # the last drains give up on device marks still pending
             self._report_drops()
             writer_ns = getattr(self.sink, "writer_cpu_ns", None)  # the collector's own background cost, so far
             self.event(EventKind.EXIT, exit_code=exit_code, dropped_rows=sum(self.dropped.values()),
@@ -288,6 +384,34 @@ class Collector:
                 except Exception:
                     pass
             atexit.unregister(self.close)
+
+    def _settle_device(self) -> None:
+        """Closing: poll (bounded, on this thread) for outstanding device marks to complete; never synchronize."""
+        timer = self._timer
+        if timer is None:
+            return
+        deadline = _mono() + int(min(1.0, self.config.device_resolve_s) * 1e9)
+        while not timer.settled() and _mono() < deadline:
+            time.sleep(0.002)
+
+    @property
+    def device_timer(self) -> DeviceTimer | None:
+        """The timer device columns come from (None: CPU clock only)."""
+        return self._timer
+
+    def _set_timer(self, timer: DeviceTimer | None) -> None:
+        self._timer = timer
+        self._auto_timer = False
+        self.tracker.set_timer(timer)
+
+    def _choose_timer(self) -> None:
+        """First step: a CUDA timer if the job uses CUDA (available and initialized in this process)."""
+        self._auto_timer = False
+        try:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                self._set_timer(CudaDeviceTimer(self.config.device_events))
+        except Exception as exc:
+            self._internal_error("device_timer", exc)
 
     def flush(self, timeout_s: float | None = 5.0) -> bool:
         try:
@@ -349,8 +473,16 @@ class Collector:
         return context
 
     def _begin_step(self, step: int) -> StepRecord:
+        if self._auto_timer:
+            self._choose_timer()
         start_mono, start_wall = _mono(), _wall()
         record = StepRecord(step, start_wall, start_mono)
+        timer = self._timer
+        if timer is not None:
+            try:
+                record.dev_start = timer.mark()
+            except Exception as exc:
+                self._internal_error("step.device_mark", exc)
         pending = self._pending_wait
         if pending is not None:  # the batch for this step was fetched just before it began
             self._pending_wait = None
@@ -365,6 +497,12 @@ class Collector:
     def _end_step(self, record: StepRecord, *, failed: bool = False) -> None:
         """Hand the finished step to the writer thread, which builds its rows (`_drain`). A step that raised
         writes no step row (the exception event covers it); its collectives and phases are written."""
+        timer = self._timer
+        if timer is not None and record.dev_start is not None:
+            try:
+                record.dev_end = timer.mark()
+            except Exception as exc:
+                self._internal_error("step.device_mark", exc)
         record.end_mono_ns = _mono()
         self._current = None
         self.tracker.current = None
@@ -383,10 +521,14 @@ class Collector:
                 dropped = self._dropped
                 if record.phases:
                     dropped[Table.PHASES] += len(record.phases)
+                    if timer is not None:
+                        self._release_phases(record)
                 record.phases = None
                 if n >= self.config.max_pending_steps:
                     dropped[Table.STEPS] += 1
                     dropped[Table.COLLECTIVES] += len(record.ops) - record.written
+                    if timer is not None:
+                        self._abandon(record)
                     return
             done.append(record)
         except Exception as exc:
@@ -395,9 +537,106 @@ class Collector:
     def _loose_phase(self, phase: _Phase) -> None:
         try:
             start = phase.start
-            self._append_phase((self.rank, -1, phase.name, start + _wall() - _mono(), start, phase.end - start, None))
+            device_ns = None
+            if type(phase) is _DevicePhase:  # outside a step: resolved now if the device already ran it, else null
+                timer = self._timer
+                assert timer is not None
+                a, b = phase.dev_start, phase.dev_end
+                if a is not None and b is not None:
+                    device_ns = timer.elapsed_ns(a, b)
+                timer.release(a, b)
+                phase.dev_start = phase.dev_end = None
+            self._append_phase(
+                (self.rank, -1, phase.name, start + _wall() - _mono(), start, phase.end - start, device_ns)
+            )
         except Exception as exc:
             self._internal_error("phase", exc)
+
+    # -- device marks (writer thread, except `_abandon` and `_release_phases`) ------------------------
+    def _release_phases(self, record: StepRecord) -> None:
+        timer = self._timer
+        assert timer is not None
+        for p in record.phases or ():
+            if type(p) is _DevicePhase:
+                timer.release(p.dev_start, p.dev_end)
+                p.dev_start = p.dev_end = None
+
+    def _abandon(self, record: StepRecord) -> None:
+        """A dropped step: its marks go back to the pool unresolved."""
+        timer = self._timer
+        assert timer is not None
+        self._release_phases(record)
+        timer.release(record.dev_start, record.dev_end)
+        record.dev_start = record.dev_end = None
+        for o in record.ops:
+            if o._dev == 1:
+                o._dev = -1
+                timer.release(o.dev_start, o.dev_end)
+                o.dev_start = o.dev_end = None
+
+    def _pair(self, a: Mark | None, b: Mark | None, expired: bool) -> tuple[bool, int | None]:
+        """(final, device ns) of two marks; releases them once final. Not final while pending and not `expired`."""
+        if a is None and b is None:
+            return True, None
+        timer = self._timer
+        assert timer is not None
+        ns = timer.elapsed_ns(a, b) if a is not None and b is not None else None
+        if ns is None and a is not None and b is not None:
+            if not expired:
+                return False, None
+            self._gave_up = True
+        timer.release(a, b)
+        return True, (ns if ns is None or ns > 0 else 0)
+
+    def _settle(self, record: StepRecord, expired: bool) -> bool:
+        """Resolve a finished step's device marks (its collectives', phases' and its own); True once all are final
+        (values or nulls) and back in the pool. Never waits."""
+        final = True
+        settle_op = self.tracker.settle_op
+        for o in record.ops:
+            if o._dev == 1 and not settle_op(o, expired):
+                final = False
+            elif expired and o._dev == -1:
+                self._gave_up = True
+        for p in record.phases or ():
+            if type(p) is _DevicePhase and (p.dev_start is not None or p.dev_end is not None):
+                ok, ns = self._pair(p.dev_start, p.dev_end, expired)
+                if ok:
+                    p.dev_start = p.dev_end = None
+                    p.dev_ns = ns
+                else:
+                    final = False
+        if not final:
+            return False
+        ok, ns = self._pair(record.dev_start, record.dev_end, expired)  # the ops needed the start mark until now
+        if not ok:
+            return False
+        record.dev_start = record.dev_end = None
+        if ns is not None:
+            record.device = (ns, *_split(ns, record.ops))
+        return True
+
+    def _settle_steps(self, new: list[StepRecord]) -> list[StepRecord]:
+        """The finished steps whose device columns are final (they are written now); the rest are held."""
+        held = self._held
+        held += new
+        if not held:
+            return held
+        now, bound, final = _mono(), self._resolve_ns, self._final
+        ready: list[StepRecord] = []
+        keep: list[StepRecord] = []
+        for record in held:
+            end = record.end_mono_ns
+            expired = final or end is None or now - end > bound
+            self._gave_up = False
+            if self._settle(record, expired):
+                if self._gave_up:
+                    self.device_dropped += 1
+                ready.append(record)
+            else:
+                keep.append(record)
+        self._held = keep
+        return ready
 
     def _drain(self) -> dict[Table, list[Row]]:
         """The rows of finished steps (step, collectives, phases) and of the step in progress's exited collectives:
@@ -412,13 +651,22 @@ class Collector:
         steps: list[Row] = []
         phases: list[Row] = []
         rank = self.rank
+        timed = self._timer is not None
+        if timed:
+            done = self._settle_steps(done)
         for record in done:
             step, offset = record.step, record.wall_offset_ns
             if not record.failed:
                 steps.append(self._step_row(record))
             if record.phases:
-                phases += [(rank, step, p.name, p.start + offset, p.start, p.end - p.start, None) for p in record.phases]
-        collectives = self.tracker.drain(done, self._current, wait=self._final)
+                if timed:
+                    phases += [
+                        (rank, step, p.name, p.start + offset, p.start, p.end - p.start, getattr(p, "dev_ns", None))
+                        for p in record.phases
+                    ]
+                else:
+                    phases += [(rank, step, p.name, p.start + offset, p.start, p.end - p.start, None) for p in record.phases]
+        collectives = self.tracker.drain(done, self._current, final=self._final)
         return {Table.STEPS: steps, Table.PHASES: phases, Table.COLLECTIVES: collectives}
 
     def _step_row(self, record: StepRecord) -> Row:
@@ -438,12 +686,12 @@ class Collector:
         return (
             self.rank, record.step, self.attempt, record.start_wall_ns, end_mono + record.wall_offset_ns,
             start_mono, end_mono, duration, compute, wait, dataloader_wait, checkpoint, record.seq,
-            loss, grad_norm, finite, record.data_position, None, None, None,
+            loss, grad_norm, finite, record.data_position, *(record.device or _NO_DEVICE),
         )
 
     def phase(self, name: str) -> _Phase:
         """Context manager timing a named phase of the current step (forward, backward, optimizer, ...)."""
-        context: _Phase = _alloc(_Phase)
+        context: _Phase = _alloc(_Phase if self._timer is None else _DevicePhase)
         context._c, context.name = self, name
         return context
 
@@ -487,7 +735,8 @@ class Collector:
             return _make(t, op, group, tensor, peer, False)
         o: _Open = _alloc(_Open)  # `collectives._make` for a plain tensor, inlined: this runs per collective
         o._tracker, o.op, o._group_obj, o.peer, o.async_op = t, op, group, peer, False
-        o.nbytes, o.dtype, o._cuda_tensor = tensor.nbytes, tensor.dtype, t._cuda and tensor.is_cuda
+        mode = t._dev_mode
+        o.nbytes, o.dtype, o._dev = tensor.nbytes, tensor.dtype, mode and (mode == 2 or tensor.is_cuda)
         return o
 
     def ddp_comm_hook(self, group: Any = None, *, before: Callable[[GroupInfo], None] | None = None) -> Any:
@@ -631,6 +880,15 @@ class Collector:
             self._reported_write_errors = errors
             self.event(EventKind.WARNING, dropped_rows=total,
                        message=f"telemetry writes failed {errors} time(s), retried at each flush; last: {last}")
+        timer = self._timer
+        if timer is not None:
+            device = (self.device_dropped, timer.dropped)
+            if device != self._reported_device:
+                self._reported_device = device
+                self.event(EventKind.WARNING, message=(
+                    f"{DEVICE_WARNING_PREFIX}{device[0]} step(s) written without device time (marks not complete "
+                    f"within {self.config.device_resolve_s} s); {device[1]} mark(s) skipped (pool of "
+                    f"{timer.capacity} empty)"))
 
     def _emit_gpu(self, sample: GpuSample) -> None:
         current = self._current

@@ -218,56 +218,46 @@ def test_sigterm_records_signal_and_flushes(tmp_path: Path) -> None:
     assert list((tmp_path / "telemetry" / "steps" / "rank=3").glob("part-*.parquet"))
 
 
-class _FakeEvent:
-    """Stands in for torch.cuda.Event: completes when told, records whether anyone synchronized."""
+def test_device_rows_are_resolved_later_without_waiting(tmp_path: Path) -> None:
+    from rankwatch.collector import FakeDeviceTimer
 
-    def __init__(self, done: bool, ms: float = 0.0) -> None:
-        self.done = done
-        self.ms = ms
-        self.synchronized = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.synchronized = True
-        self.done = True
-
-    def elapsed_time(self, end: "_FakeEvent") -> float:
-        return end.ms
-
-
-def test_cuda_rows_are_resolved_later_without_synchronizing(tmp_path: Path) -> None:
     sink = MemorySink()
-    c = _collector(tmp_path, sink)
-    done, pending = _FakeEvent(True, 1.5), _FakeEvent(False, 2.0)
-    with c.step(0) as record:
-        for end in (done, pending):
+    device = FakeDeviceTimer(capacity=16)
+    c = Collector(CollectorConfig(run_dir=tmp_path, handle_sigterm=False, inflight_after_s=0.0, device_resolve_s=60.0),
+                  rank=0, world_size=2, host="host0", sink=sink, device_timer=device)
+    c.register_group(GROUP, INFO)
+    idx = column_names(Table.COLLECTIVES).index(Collectives.DEVICE_DURATION_NS)
+    with c.step(0):
+        for ns in (1_500_000, 2_000_000):
             with c.collective("all_reduce", GROUP, torch.zeros(2)):
-                pass
-            o = record.ops[-1]  # as a CUDA tensor's exit leaves it: both events recorded, the end one maybe not done
-            o._cuda_tensor, o.cuda_start, o.cuda_end = True, _FakeEvent(True), end
-    idx = column_names(Table.COLLECTIVES).index(Collectives.DEVICE_DURATION_NS)
-    assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000]  # a flush: the done one only
-    assert not pending.synchronized
-    assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000]  # still pending, not written twice
-    pending.done = True
+                device.enqueue(ns)
+        assert sink.rows(Table.COLLECTIVES) == []  # a flush mid-step: the device has run neither yet
+        device.run_until(1_500_000)
+        assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000]  # the done one only
+        assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000]  # still pending, not written twice
+    assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000] and sink.rows(Table.STEPS) == []
+    device.run_all()
     assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [1_500_000, 2_000_000]
-    assert not pending.synchronized
+    assert device.pending == 0
 
 
-def test_close_waits_for_outstanding_cuda_events(tmp_path: Path) -> None:
+def test_close_polls_outstanding_device_marks_only_briefly(tmp_path: Path) -> None:
+    from rankwatch.collector import FakeDeviceTimer
+
     sink = MemorySink()
-    c = _collector(tmp_path, sink)
-    pending = _FakeEvent(False, 2.0)
-    with c.step(0) as record:
+    device = FakeDeviceTimer(capacity=16)
+    c = Collector(CollectorConfig(run_dir=tmp_path, handle_sigterm=False, device_resolve_s=0.2),
+                  rank=0, world_size=2, host="host0", sink=sink, device_timer=device)
+    c.register_group(GROUP, INFO)
+    with c.step(0):
         with c.collective("all_reduce", GROUP, torch.zeros(2)):
-            pass
-        o = record.ops[-1]
-        o._cuda_tensor, o.cuda_start, o.cuda_end = True, _FakeEvent(True), pending
+            device.enqueue(2_000_000)  # never run: the fake device is stuck
+    start = time.monotonic()
     c.close(exit_code=0)
+    assert time.monotonic() - start < 2.0
     idx = column_names(Table.COLLECTIVES).index(Collectives.DEVICE_DURATION_NS)
-    assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [2_000_000] and pending.synchronized
+    assert [r[idx] for r in sink.rows(Table.COLLECTIVES)] == [None] and c.device_dropped == 1
+    assert device.pending == 0
 
 
 def test_topology_row_without_gpu_has_pid_host_and_process_numa_node(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ def test_wheel_contains_and_imports_every_module(tmp_path: Path) -> None:
 EXPORTS = {
     "rankwatch.collector": {
         "SCHEMA_VERSION", "CheckpointPhaseRecord", "CollectiveTracker", "Collector", "CollectorConfig", "DeviceInfo",
+        "CudaDeviceTimer", "DeviceTimer", "FakeDeviceTimer", "Mark",
         "Fingerprint", "GpuMonitor", "GpuSample", "GpuSampler", "GpuUnavailable", "GroupInfo", "MemorySink",
         "NullCollector", "NvmlSampler", "ParquetSink", "ReplaySampler", "Sink", "SinkConfig", "StepRecord", "Table",
         "fingerprint", "instrument_distributed", "open_sampler",
