@@ -258,13 +258,15 @@ def _analyze(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from rankwatch.simulator import SimConfig, parse_sim_fault, simulate
+    from rankwatch.simulator.config import Timing
     from rankwatch.trainer.parallel import Layout
 
     layout = Layout.parse(args.layout, nproc=args.ranks)
     cfg = SimConfig(name=args.name, layout=layout, hosts=args.hosts, steps=args.steps, seed=args.seed,
                     faults=tuple(parse_sim_fault(f) for f in args.fault), checkpoint_every=args.checkpoint_every,
-                    fingerprint_every=args.fingerprint_every, phases=not args.no_phases)
-    print(f"rankwatch simulate: {layout.world_size} ranks ({layout}) on {args.hosts} hosts, {args.steps} steps -> {args.out}")
+                    fingerprint_every=args.fingerprint_every, phases=not args.no_phases, timing=Timing(args.timing))
+    print(f"rankwatch simulate: {layout.world_size} ranks ({layout}) on {args.hosts} hosts, {args.steps} steps, "
+          f"{args.timing} timing -> {args.out}")
     result = simulate(cfg, args.out)
     rows = sum(result.rows.values())
     print(f"  wrote {rows} rows in {result.elapsed_s:.1f}s; ground truth: {args.out / 'labels.json'}")
@@ -482,6 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--checkpoint-every", type=int, default=0)
     sim.add_argument("--fingerprint-every", type=int, default=50)
     sim.add_argument("--no-phases", action="store_true", help="skip the (low-priority) phases table")
+    sim.add_argument("--timing", choices=("cpu", "gpu"), default="cpu",
+                     help="clock semantics: cpu = gloo (collectives block the thread), gpu = CUDA/NCCL (the thread "
+                          "only enqueues; device columns carry the straggler signal)")
     w = sub.add_parser("watch", help="live: re-analyze the latest window of a run as new part files appear")
     w.add_argument("run_dir", type=Path)
     w.add_argument("--window", type=int, default=20, metavar="STEPS")

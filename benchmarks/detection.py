@@ -1,18 +1,22 @@
 """Detection quality over the labeled suite of simulated scenarios.
 
-    .venv/bin/python benchmarks/detection.py [--only NAME_SUBSTRING] [--keep DIR] [--jobs N] [--seed-offset K]
+    .venv/bin/python benchmarks/detection.py [--timing cpu|gpu|both] [--only NAME_SUBSTRING] [--keep DIR] [--jobs N]
+                                             [--seed-offset K]
 
-For every scenario of `simulator.standard_suite()` it simulates the run, analyzes it exactly as
-`rankwatch analyze` does, and matches the incidents against the scenario's ground-truth labels:
+For every scenario of `simulator.standard_suite()` and each timing (cpu: gloo semantics; gpu: a CUDA job's, where
+only the device columns carry the straggler signal) it simulates the run, analyzes it exactly as `rankwatch analyze`
+does (clock auto), and matches the incidents against the scenario's ground-truth labels:
 
 - an incident matches a label when the class is the same and the subject is the same or the ranks overlap;
 - per class: precision = matched incidents / incidents, recall = matched labels / labels, F1;
 - localization accuracy = matched labels whose incident names the exact subject (kind and id) / matched labels;
 - detection latency = detection_step - labeled onset step, for matched stragglers;
-- false incidents on clean controls = every incident raised in a scenario that expects none.
+- false incidents on clean controls = every incident raised in a scenario that expects none;
+- cause accuracy = matched stragglers whose incident names the labeled cause / matched stragglers with a known
+  cause; in gpu mode its host_stall / device_slow part says whether a host-thread stall and a slow GPU are told apart.
 
-Targets (issue 3): F1 >= 0.95 per class, localization >= 0.95, no incident on any clean control, stragglers
-detected within 10 steps of onset.
+Targets (issue 3), in each timing: F1 >= 0.95 per class, localization >= 0.95, no incident on any clean control,
+stragglers detected within 10 steps of onset; in gpu mode also host_stall vs device_slow cause accuracy >= 0.95.
 """
 
 from __future__ import annotations
@@ -31,15 +35,19 @@ from typing import Any
 
 from rankwatch.analytics.analyze import analyze
 from rankwatch.simulator import Scenario, simulate, standard_suite
+from rankwatch.simulator.config import Timing
 
 TARGET_F1 = 0.95
 TARGET_LOCALIZATION = 0.95
 TARGET_LATENCY_STEPS = 10
+TARGET_DEVICE_CAUSE = 0.95
+_DEVICE_CAUSES = frozenset({"host_stall", "device_slow"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Outcome:
     scenario: str
+    timing: Timing
     ranks: int
     steps: int
     expected: tuple[dict[str, Any], ...]
@@ -49,7 +57,7 @@ class Outcome:
 
 
 def _run_one(scenario: Scenario, root: Path) -> Outcome:
-    out = root / scenario.name
+    out = root / str(scenario.config.timing) / scenario.name
     t0 = time.perf_counter()
     simulate(scenario.config, out)
     t1 = time.perf_counter()
@@ -58,7 +66,7 @@ def _run_one(scenario: Scenario, root: Path) -> Outcome:
     labels = json.loads((out / "labels.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     return Outcome(
-        scenario=scenario.name, ranks=labels["ranks"], steps=labels["steps"], expected=tuple(labels["expected"]),
+        scenario=scenario.name, timing=scenario.config.timing, ranks=labels["ranks"], steps=labels["steps"], expected=tuple(labels["expected"]),
         incidents=tuple(i.to_dict() for i in incidents), seconds_simulate=t1 - t0, seconds_analyze=t2 - t1,
     )
 
@@ -84,11 +92,43 @@ class _Tally:
         return p, r, (2 * p * r / (p + r) if p + r else 0.0)
 
 
-def score(outcomes: list[Outcome]) -> int:
+@dataclass
+class Score:
+    """One timing's figures over the suite."""
+
+    tallies: dict[str, _Tally]
+    localization: float
+    controls: int
+    clean_false: list[str]
+    latencies: list[int]
+    causes: tuple[int, int]
+    """(matched stragglers naming the labeled cause, matched stragglers with a known labeled cause)"""
+    device_causes: tuple[int, int]
+    """The same over host_stall / device_slow labels only (gpu mode)."""
+    misses: list[str]
+
+    def failures(self) -> list[str]:
+        out = [f"{k}: F1 {t.f1()[2]:.3f} < {TARGET_F1}" for k, t in sorted(self.tallies.items())
+               if (t.labels or t.incidents) and t.f1()[2] < TARGET_F1]
+        if self.localization < TARGET_LOCALIZATION:
+            out.append(f"localization {self.localization:.3f} < {TARGET_LOCALIZATION}")
+        if self.clean_false:
+            out.append(f"{len(self.clean_false)} incidents on clean controls")
+        if self.latencies and max(self.latencies) > TARGET_LATENCY_STEPS:
+            out.append(f"straggler latency max {max(self.latencies)} > {TARGET_LATENCY_STEPS}")
+        right, total = self.device_causes
+        if total and right / total < TARGET_DEVICE_CAUSE:
+            out.append(f"host_stall/device_slow cause accuracy {right}/{total} < {TARGET_DEVICE_CAUSE}")
+        return out
+
+
+def score(outcomes: list[Outcome]) -> Score:
     tallies: dict[str, _Tally] = {}
     latencies: list[int] = []
     clean_false: list[str] = []
     misses: list[str] = []
+    causes = [0, 0]
+    device_causes = [0, 0]
     for o in outcomes:
         if not o.expected:
             clean_false += [f"{o.scenario}: {i['class']} {i['subject_kind']}:{i['subject']} — {i['summary']}" for i in o.incidents]
@@ -110,6 +150,15 @@ def score(outcomes: list[Outcome]) -> int:
                               f"expected {label['subject_kind']}:{label['subject']}")
             if label["class"] == "straggler" and inc["detection_step"] is not None and label["onset_step"] is not None:
                 latencies.append(int(inc["detection_step"]) - int(label["onset_step"]))
+            if label["class"] == "straggler" and label["cause"] != "unknown":
+                right = inc["cause"] == label["cause"]
+                causes[0] += right
+                causes[1] += 1
+                if label["cause"] in _DEVICE_CAUSES:
+                    device_causes[0] += right
+                    device_causes[1] += 1
+                if not right:
+                    misses.append(f"{o.scenario}: straggler cause {inc['cause']}, expected {label['cause']}")
         for k, inc in enumerate(o.incidents):
             t = tallies.setdefault(inc["class"], _Tally())
             t.incidents += 1
@@ -117,61 +166,92 @@ def score(outcomes: list[Outcome]) -> int:
                 t.true_incidents += 1
             elif o.expected:
                 misses.append(f"{o.scenario}: extra {inc['class']} {inc['subject_kind']}:{inc['subject']} — {inc['summary']}")
+    found = sum(t.found for t in tallies.values())
+    localization = sum(t.localized for t in tallies.values()) / found if found else 1.0
+    return Score(tallies=tallies, localization=localization, controls=sum(1 for o in outcomes if not o.expected),
+                 clean_false=clean_false, latencies=latencies, causes=(causes[0], causes[1]),
+                 device_causes=(device_causes[0], device_causes[1]), misses=misses)
 
-    print(f"\n{'class':<14} {'labels':>6} {'found':>6} {'incid.':>6} {'prec':>6} {'recall':>6} {'F1':>6} {'local.':>6}")
+
+def _ratio(pair: tuple[int, int]) -> str:
+    return f"{pair[0] / pair[1]:.3f} ({pair[0]}/{pair[1]})" if pair[1] else "-"
+
+
+def report(scores: dict[Timing, Score]) -> int:
+    """Print the per-class table of every timing side by side, then each timing's misses; 1 if a target is missed."""
+    modes = list(scores)
+    klasses = sorted({k for s in scores.values() for k in s.tallies})
+    cell = f"{'labels':>6} {'found':>5} {'incid.':>6} {'prec':>6} {'recall':>6} {'F1':>6} {'local.':>6}"
+    width = len(cell)
+    print("\n" + " " * 15 + " | ".join(f"{'timing ' + str(m):^{width}}" for m in modes))
+    print(f"{'class':<14} " + " | ".join(cell for _ in modes))
+    for klass in klasses:
+        cells = []
+        for m in modes:
+            t = scores[m].tallies.get(klass, _Tally())
+            p, r, f1 = t.f1()
+            loc = t.localized / t.found if t.found else 1.0
+            mark = "*" if (t.labels or t.incidents) and f1 < TARGET_F1 else " "
+            cells.append(f"{t.labels:>6} {t.found:>5} {t.incidents:>6} {p:>6.3f} {r:>6.3f} {f1:>5.3f}{mark} {loc:>6.3f}")
+        print(f"{klass:<14} " + " | ".join(cells))
+    print("(* = F1 below target)\n")
+    rows = [
+        (f"localization (target >= {TARGET_LOCALIZATION})", lambda s: f"{s.localization:.3f}"),
+        ("false incidents on clean controls (target 0)", lambda s: f"{len(s.clean_false)} of {s.controls} controls"),
+        (f"straggler latency median / max (target <= {TARGET_LATENCY_STEPS})",
+         lambda s: f"{statistics.median(s.latencies):.0f} / {max(s.latencies)} over {len(s.latencies)}"
+         if s.latencies else "-"),
+        ("straggler cause accuracy (known causes)", lambda s: _ratio(s.causes)),
+        (f"host_stall vs device_slow (target >= {TARGET_DEVICE_CAUSE})", lambda s: _ratio(s.device_causes)),
+    ]
+    for name, fmt in rows:
+        print(f"{name:<58} " + " | ".join(f"{fmt(scores[m]):<24}" for m in modes))
     failed = False
-    all_found = all_localized = 0
-    for klass in sorted(tallies):
-        t = tallies[klass]
-        p, r, f1 = t.f1()
-        loc = t.localized / t.found if t.found else 1.0
-        all_found += t.found
-        all_localized += t.localized
-        flag = "" if (f1 >= TARGET_F1 or not t.labels and not t.incidents) else "  <-- below target"
-        failed |= bool(flag)
-        print(f"{klass:<14} {t.labels:>6} {t.found:>6} {t.incidents:>6} {p:>6.3f} {r:>6.3f} {f1:>6.3f} {loc:>6.3f}{flag}")
-    localization = all_localized / all_found if all_found else 1.0
-    controls = sum(1 for o in outcomes if not o.expected)
-    print(f"\nlocalization accuracy: {localization:.3f} (target >= {TARGET_LOCALIZATION})")
-    print(f"false incidents on {controls} clean controls: {len(clean_false)} (target 0)")
-    if latencies:
-        print(f"straggler detection latency (steps after onset): median {statistics.median(latencies):.0f}, "
-              f"max {max(latencies)} over {len(latencies)} (target <= {TARGET_LATENCY_STEPS})")
-    failed |= localization < TARGET_LOCALIZATION or bool(clean_false)
-    failed |= bool(latencies) and max(latencies) > TARGET_LATENCY_STEPS
-    for line in clean_false + misses:
-        print(f"  {line}")
+    for m in modes:
+        s = scores[m]
+        fails = s.failures()
+        failed |= bool(fails)
+        print(f"\ntiming {m}: {'FAIL: ' + '; '.join(fails) if fails else 'PASS'}")
+        for line in s.clean_false + s.misses:
+            print(f"  {line}")
     print("\nverdict:", "FAIL" if failed else "PASS")
     return 1 if failed else 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--timing", choices=("cpu", "gpu", "both"), default="both",
+                    help="clock semantics to simulate: gloo (cpu), CUDA (gpu) or both, scored side by side")
     ap.add_argument("--only", default="", help="run scenarios whose name contains this")
     ap.add_argument("--keep", type=Path, default=None, help="simulate into this folder (default: a temp folder)")
     ap.add_argument("--jobs", type=int, default=2, help="scenarios in parallel")
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="add this to every scenario's seed: the same faults over fresh noise (a held-out draw)")
     args = ap.parse_args()
-    suite = [Scenario(name=s.name, config=replace(s.config, seed=s.config.seed + args.seed_offset))
-             for s in standard_suite() if args.only in s.name]
+    modes = [Timing.CPU, Timing.GPU] if args.timing == "both" else [Timing(args.timing)]
+    base = [s for s in standard_suite() if args.only in s.name]
+    if not base:
+        print(f"no scenario name contains {args.only!r}")
+        return 2
     root = args.keep or Path(tempfile.mkdtemp(prefix="rankwatch-detection-"))
-    sizes = sorted({s.config.world_size for s in suite})
-    print(f"{len(suite)} scenarios, {min(sizes)}..{max(sizes)} ranks, "
-          f"{sum(1 for s in suite if s.name.startswith('clean'))} clean controls; simulating into {root}")
+    sizes = sorted({s.config.world_size for s in base})
+    print(f"{len(base)} scenarios x {len(modes)} timing(s), {min(sizes)}..{max(sizes)} ranks, "
+          f"{sum(1 for s in base if s.name.startswith('clean'))} clean controls; simulating into {root}")
     t0 = time.perf_counter()
-    outcomes: list[Outcome] = []
+    by_mode: dict[Timing, list[Outcome]] = {m: [] for m in modes}
+    suite = [Scenario(name=s.name, config=replace(s.config, seed=s.config.seed + args.seed_offset, timing=m))
+             for m in modes for s in base]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for o in pool.map(_run_one, suite, [root] * len(suite)):
             status = "clean" if not o.expected else ",".join(sorted({e["class"] for e in o.expected}))
             got = ",".join(f"{i['class']}:{i['subject_kind']}:{i['subject']}" for i in o.incidents) or "-"
-            print(f"  {o.scenario:<40} {o.ranks:>5} ranks {o.steps:>5} steps  expect {status:<24} got {got}"
-                  f"  ({o.seconds_simulate:.1f}+{o.seconds_analyze:.1f}s)", flush=True)
-            outcomes.append(o)
+            print(f"  {o.timing:<3} {o.scenario:<36} {o.ranks:>5} ranks {o.steps:>4} steps  expect {status:<20} "
+                  f"got {got}  ({o.seconds_simulate:.1f}+{o.seconds_analyze:.1f}s)", flush=True)
+            by_mode[o.timing].append(o)
     print(f"suite took {time.perf_counter() - t0:.0f}s")
     if args.keep is None:
         shutil.rmtree(root, ignore_errors=True)
-    return score(outcomes)
+    return report({m: score(by_mode[m]) for m in modes})
 
 
 if __name__ == "__main__":

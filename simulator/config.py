@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from rankwatch.simulator.faults import (
     Corruption,
@@ -28,6 +29,17 @@ from rankwatch.simulator.faults import (
     ThrottleBitOnly,
 )
 from rankwatch.trainer.parallel import Hosts, Layout
+
+
+class Timing(StrEnum):
+    """Which clock semantics the simulated collector records (collector/schema.py, "Which clock carries the signal")."""
+
+    CPU = "cpu"
+    """gloo: collectives block the training thread, whose clock sees all the work; device columns are null."""
+    GPU = "gpu"
+    """CUDA + NCCL: the thread only enqueues, so its collectives take launch latency and every rank's step ends at
+    one synchronization point (CPU compute_ns about equal on every rank); the device columns carry the straggler
+    signal."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +70,8 @@ class SimConfig:
     """Heartbeat interval."""
     phases: bool = True
     """Write the phases table (data, forward, backward, optimizer per step)."""
+    timing: Timing = Timing.CPU
+    """Clock semantics of the telemetry (`Timing`); the CPU output does not depend on this field's existence."""
 
     def __post_init__(self) -> None:
         world = self.layout.world_size
@@ -114,7 +128,8 @@ def _sc(name: str, layout: Layout, steps: int, *faults: SimFault, ckpt: int = 50
 
 
 def standard_suite() -> tuple[Scenario, ...]:
-    """The labeled benchmark: every class and cause, 64..2048 ranks, with clean controls carrying benign variation."""
+    """The labeled benchmark: every class and cause, 64..2048 ranks, with clean controls carrying benign variation.
+    Each scenario runs under either timing (`dataclasses.replace(s.config, timing=Timing.GPU)`)."""
     S, D, T = Straggler, Divergence, StragglerCause
     C, K, F = Corruption, CorruptionKind, FailHow
     return (
@@ -134,6 +149,9 @@ def standard_suite() -> tuple[Scenario, ...]:
         _sc("straggler_power_128", _L128, 150, S(rank=31, from_step=70, slow=0.15, cause=T.POWER)),
         _sc("straggler_dataloader_64", _L64, 150, S(rank=50, from_step=60, slow=0.30, cause=T.DATALOADER)),
         _sc("straggler_dataloader_256", _L256, 150, S(rank=255, from_step=40, slow=0.15, cause=T.DATALOADER)),
+        # a host-thread stall in forward (the trainer's `slow` fault): on the device clock told apart from a slow GPU
+        _sc("straggler_host_stall_64", _L64, 150, S(rank=29, from_step=50, slow=0.15, cause=T.HOST_STALL)),
+        _sc("straggler_host_stall_128", _L128, 200, S(rank=90, from_step=60, slow=0.10, cause=T.HOST_STALL)),
         _sc("straggler_1024", _L1024, 120, S(rank=517, from_step=60, slow=0.10)),
         _sc("straggler_2048", _L2048, 100, S(rank=1999, from_step=50, slow=0.15), ckpt=0),
         # host input pipeline, slow link, imbalance

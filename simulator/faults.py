@@ -16,9 +16,15 @@ from rankwatch.trainer.parallel import Layout
 
 class StragglerCause(StrEnum):
     NONE = "none"
+    """The rank's own compute is slower: on the device under `Timing.GPU` (labeled device_slow), on the training
+    thread under `Timing.CPU` (labeled unknown, as a CPU run cannot tell where)."""
     THERMAL = "thermal"
     POWER = "power"
     DATALOADER = "dataloader"
+    HOST_STALL = "host_stall"
+    """The training thread stalls inside the forward phase (the trainer's `slow` fault, a host sleep): under
+    `Timing.GPU` it shows in that phase's CPU time and in device time (the device waits for work), not in the device
+    kernel time of other phases (labeled host_stall); under `Timing.CPU` it is compute like any other (unknown)."""
 
 
 class FailHow(StrEnum):
@@ -49,7 +55,8 @@ class CorruptionKind(StrEnum):
 class Straggler:
     """`rank` computes `slow` (a fraction: 0.1 = 10 % longer) slower from `from_step` (until `until_step`,
     exclusive); with `period`/`burst` only `burst` steps of every `period`. `cause` thermal/power also lowers the
-    device's SM clock and sets the matching throttle bit; dataloader puts the extra time into dataloader wait."""
+    device's SM clock and sets the matching throttle bit; dataloader puts the extra time into dataloader wait;
+    host_stall puts it into a host stall at the start of forward."""
 
     rank: int
     from_step: int = 0

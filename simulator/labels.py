@@ -1,6 +1,10 @@
 """Ground truth of a simulated run: the incidents a perfect detector raises (`Label`) and the benign variation it
 must stay quiet about (`Benign`), derived from a configuration by `labels_for`, written as ``labels.json`` and read
 back by `read_labels`. Consistency incidents are blamed by the same majority rule the analysis uses.
+
+A straggler's cause depends on the timing: under `Timing.GPU` a slower compute (`StragglerCause.NONE`) is a slow
+device (`device_slow`) and a host stall is `host_stall`, which the device clock tells apart; under `Timing.CPU` both
+are `unknown`, as neither clock nor counter says where the time went.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import numpy as np
 
 from rankwatch.analytics.incidents import Cause, IncidentClass, SubjectKind
 from rankwatch.collector.schema import GroupKind, link_name
-from rankwatch.simulator.config import SimConfig
+from rankwatch.simulator.config import SimConfig, Timing
 from rankwatch.simulator.faults import (
     Corruption,
     CorruptionKind,
@@ -153,8 +157,11 @@ def labels_for(cfg: SimConfig, skewed: Sequence[int] = ()) -> Labels:
     lay = cfg.layout
     out: list[Label] = []
     benign: list[Benign] = []
-    straggler_cause = {StragglerCause.NONE: Cause.UNKNOWN, StragglerCause.THERMAL: Cause.THERMAL_THROTTLE,
-                       StragglerCause.POWER: Cause.POWER_THROTTLE, StragglerCause.DATALOADER: Cause.DATALOADER}
+    gpu = cfg.timing is Timing.GPU
+    straggler_cause = {StragglerCause.NONE: Cause.DEVICE_SLOW if gpu else Cause.UNKNOWN,
+                       StragglerCause.THERMAL: Cause.THERMAL_THROTTLE, StragglerCause.POWER: Cause.POWER_THROTTLE,
+                       StragglerCause.DATALOADER: Cause.DATALOADER,
+                       StragglerCause.HOST_STALL: Cause.HOST_STALL if gpu else Cause.UNKNOWN}
     fail_cause = {FailHow.EXIT: Cause.EXIT, FailHow.SIGNAL: Cause.SIGNAL, FailHow.VANISHED: Cause.VANISHED,
                   FailHow.KILLED_ALL: Cause.VANISHED}
     div_cause = {DivergeField.RNG: Cause.RNG_MISMATCH, DivergeField.DATA: Cause.DATA_POSITION_MISMATCH,

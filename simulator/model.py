@@ -7,6 +7,10 @@ groups crossing hosts are slower), so a late rank shows as higher compute on its
 peers. A rank that is gone or stuck arrives at +inf, which propagates: whoever waits for it enters an operation that
 never completes. Faults become per-step inputs (`_inputs`), the step loop turns them into a trace (`_step_loop`), and
 `_lifecycle` decides when each rank's records end and which events it emits.
+
+Under `Timing.GPU` the same loop is the device's timeline (a kernel waits for its peers as a blocking call does on
+CPU) and each step ends on the host at one synchronization point; `timing._gpu_view` then derives what the training
+thread saw, which is what the CPU columns record.
 """
 
 from __future__ import annotations
@@ -95,12 +99,20 @@ class _Trace:
     applies: np.ndarray  # (7, N) bool
     nbytes: np.ndarray  # (7, N)
     peer: np.ndarray  # (7, N), -1 = none
+    stall: np.ndarray  # (S, N) host stall at the start of forward
+    dev_enter: np.ndarray | None = None  # (S, 7, N) device timeline under Timing.GPU (enter/exit are then the CPU's)
+    dev_exit: np.ndarray | None = None
+    dev_end: np.ndarray | None = None  # (S, N) device reaches the step's end event
+    cpu_phases: np.ndarray | None = None  # (4, S, N) CPU durations of data, forward, backward, optimizer
 
 
 def _step_loop(cfg: SimConfig, topo: _Topo, rng: np.random.Generator, comp: np.ndarray, dl: np.ndarray,
-               ckpt: np.ndarray, link_mult: list[tuple[int, np.ndarray]], stop: np.ndarray, stuck_dp: np.ndarray) -> _Trace:
+               ckpt: np.ndarray, link_mult: list[tuple[int, np.ndarray]], stop: np.ndarray, stuck_dp: np.ndarray,
+               stall: np.ndarray, *, gpu: bool = False) -> _Trace:
     """Run the synchronous-step model. `stop[s, r]`: rank r does not start step s (dead or hung);
-    `stuck_dp[s, r]`: r enters step s's dp all-reduce and never leaves."""
+    `stuck_dp[s, r]`: r enters step s's dp all-reduce and never leaves. With `gpu` the ops are device time, the
+    checkpoint runs on the host after the step's synchronization point and `end` is that host time (`dev_end` the
+    device's)."""
     lay, n, S = topo.layout, topo.n, cfg.steps
     PP, DP, TP = lay.pp, lay.dp, lay.tp
     shp = (PP, DP, TP)
@@ -138,6 +150,7 @@ def _step_loop(cfg: SimConfig, topo: _Topo, rng: np.random.Generator, comp: np.n
     end = np.zeros((S, n))
     enter = np.full((S, 7, n), np.inf)
     exit_ = np.full((S, 7, n), np.inf)
+    dev_end = np.full((S, n), np.inf) if gpu else None
     t = np.zeros(n)
     inf = np.inf
     for s in range(S):
@@ -149,7 +162,7 @@ def _step_loop(cfg: SimConfig, topo: _Topo, rng: np.random.Generator, comp: np.n
                 link_f = link_f * mult
         xf = (base_xfer * link_f * rng.lognormal(0.0, 0.05, (7, n))).reshape(7, *shp)
         c = comp[s].reshape(shp)
-        ready = (t + dl[s]).reshape(shp).copy()
+        ready = (t + dl[s] + stall[s]).reshape(shp).copy()
         en, ex = enter[s].reshape(7, *shp), exit_[s].reshape(7, *shp)
         send_f = np.full(shp, inf)
         send_b = np.full(shp, inf)
@@ -192,13 +205,33 @@ def _step_loop(cfg: SimConfig, topo: _Topo, rng: np.random.Generator, comp: np.n
             done = np.where(stuck.any(axis=1, keepdims=True), inf, done)
             en[_DP], ex[_DP] = a, np.broadcast_to(done, a.shape)
             ready = np.broadcast_to(done, a.shape).copy()
-        ready += (_OPT * c + ckpt[s].reshape(shp))
-        end[s] = ready.reshape(n)
+        if dev_end is None:
+            ready += (_OPT * c + ckpt[s].reshape(shp))
+            end[s] = ready.reshape(n)
+        else:
+            ready += _OPT * c
+            dev_end[s] = ready.reshape(n)
+            end[s] = _sync(dev_end[s], rng) + ckpt[s]
         t = end[s] + rng.uniform(30_000, 90_000, n)
     enter[:, ~applies] = np.nan
     exit_[:, ~applies] = np.nan
     return _Trace(start=start, end=end, dl=dl, comp=comp, ckpt=ckpt, enter=enter, exit=exit_, applies=applies,
-                  nbytes=nbytes, peer=peer)
+                  nbytes=nbytes, peer=peer, stall=stall, dev_end=dev_end)
+
+
+def _sync(dev_end: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Host time each rank's training thread leaves the step's synchronization point (loss.item() after the
+    optimizer): when the slowest device of the job finished the step, plus the host's wake-up latency. Every peer's
+    work feeds every rank's collectives, so all threads wait for the last device; a rank whose device never finishes
+    (its peer is gone) stays blocked (inf)."""
+    done = np.isfinite(dev_end)
+    last = dev_end[done].max() if done.any() else np.inf
+    return np.where(done, last + rng.uniform(15_000, 45_000, dev_end.shape), np.inf)
+
+
+def _nominal(cfg: SimConfig, topo: _Topo) -> np.ndarray:
+    """(N,) nominal compute ns per step of each rank: its stage's share (the last stage also computes the loss)."""
+    return cfg.compute_s * _NS * (1.0 + 0.02 * (topo.pp == topo.layout.pp - 1))
 
 
 def _param_count(topo: _Topo) -> np.ndarray:
@@ -229,6 +262,7 @@ class _Inputs:
     stop: np.ndarray
     stuck_dp: np.ndarray
     skewed: set[int]
+    stall: np.ndarray  # (S, N) host stall at the start of forward
     throttle: np.ndarray  # (S, N) throttle bits
     clock_scale: np.ndarray  # (S, N) SM clock multiplier
 
@@ -237,9 +271,10 @@ def _inputs(cfg: SimConfig, topo: _Topo, rng: np.random.Generator) -> _Inputs:
     S, n, lay = cfg.steps, topo.n, topo.layout
     steps = np.arange(S)
     hw = rng.normal(1.0, 0.005, n)
-    stage_base = cfg.compute_s * _NS * (1.0 + 0.02 * (topo.pp == lay.pp - 1))
+    stage_base = _nominal(cfg, topo)
     comp = stage_base * hw * rng.lognormal(0.0, 0.01, (S, n))
     dl = 0.015 * cfg.compute_s * _NS * rng.lognormal(0.0, 0.3, (S, n))
+    stall = np.zeros((S, n))
     throttle = np.zeros((S, n), dtype=np.int64)
     clock_scale = np.ones((S, n))
     link_mult: list[tuple[int, np.ndarray]] = []
@@ -256,6 +291,8 @@ def _inputs(cfg: SimConfig, topo: _Topo, rng: np.random.Generator) -> _Inputs:
             on = _active(steps, f.from_step, f.until_step, f.period, f.burst)
             if f.cause is StragglerCause.DATALOADER:
                 dl[on, f.rank] += f.slow * stage_base[f.rank] * rng.lognormal(0.0, 0.05, int(on.sum()))
+            elif f.cause is StragglerCause.HOST_STALL:
+                stall[on, f.rank] += f.slow * stage_base[f.rank] * rng.lognormal(0.0, 0.05, int(on.sum()))
             else:
                 comp[on, f.rank] *= 1.0 + f.slow
             if f.cause in (StragglerCause.THERMAL, StragglerCause.POWER):
@@ -303,7 +340,7 @@ def _inputs(cfg: SimConfig, topo: _Topo, rng: np.random.Generator) -> _Inputs:
     for cs in ckpt_steps:
         ckpt[cs] = cfg.compute_s * _NS * rng.uniform(2.5, 3.5) * rng.lognormal(0.0, 0.05, n)
     return _Inputs(comp=comp, dl=dl, ckpt=ckpt, ckpt_steps=ckpt_steps, link_mult=link_mult, stop=stop,
-                   stuck_dp=stuck_dp, skewed=skewed, throttle=throttle, clock_scale=clock_scale)
+                   stuck_dp=stuck_dp, skewed=skewed, stall=stall, throttle=throttle, clock_scale=clock_scale)
 
 
 # ------------------------------------------------------------------------------------------------ lifecycle

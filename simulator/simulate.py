@@ -5,7 +5,8 @@
 
 writes ``<out>/telemetry/<table>/rank=<r>/part-000000.parquet`` for every table, and ``<out>/labels.json``: the
 incidents a perfect detector raises (``expected``) and the benign variation it must stay quiet about (``benign``).
-The time model is in `model`, the faults in `faults`, the tables in `tables`, the ground truth in `labels`.
+The time model is in `model`, the faults in `faults`, the tables in `tables`, the ground truth in `labels`;
+``SimConfig(timing=Timing.GPU)`` records a CUDA job's clocks instead of gloo's (`timing`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rankwatch.collector.schema import TELEMETRY_DIR, Table
-from rankwatch.simulator.config import Scenario, SimConfig
+from rankwatch.simulator.config import Scenario, SimConfig, Timing
 from rankwatch.simulator.labels import LABELS_FILE, Labels, labels_for
-from rankwatch.simulator.model import _inputs, _lifecycle, _step_loop, _Topo
+from rankwatch.simulator.model import _inputs, _lifecycle, _nominal, _step_loop, _Topo
 from rankwatch.simulator.tables import _Builder, _write_parts
+from rankwatch.simulator.timing import _gpu_view
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,7 +48,11 @@ def simulate(cfg: SimConfig, out: Path) -> SimResult:
     topo = _Topo(cfg)
     rng = np.random.default_rng([cfg.seed, 0x51A])
     inp = _inputs(cfg, topo, rng)
-    tr = _step_loop(cfg, topo, rng, inp.comp, inp.dl, inp.ckpt, inp.link_mult, inp.stop, inp.stuck_dp)
+    gpu = cfg.timing is Timing.GPU
+    tr = _step_loop(cfg, topo, rng, inp.comp, inp.dl, inp.ckpt, inp.link_mult, inp.stop, inp.stuck_dp, inp.stall,
+                    gpu=gpu)
+    if gpu:
+        tr = _gpu_view(tr, _nominal(cfg, topo), rng)
     life = _lifecycle(cfg, topo, tr, rng)
     b = _Builder(cfg, topo, tr, life, inp, rng)
     builders: list[tuple[Table, Callable[[], pa.Table]]] = [

@@ -1,6 +1,7 @@
 """Telemetry tables of a simulated run: `_Builder` turns the trace into one rank-ordered arrow table per collector
 table, in the collector's storage schema with per-host wall and monotonic clocks, and `_write_parts` writes each
-table as ``telemetry/<table>/rank=<r>/part-000000.parquet`` exactly as real ranks would.
+table as ``telemetry/<table>/rank=<r>/part-000000.parquet`` exactly as real ranks would. Under `Timing.GPU` the
+device columns come from the trace's device timeline; otherwise they are null, as on a CPU job.
 """
 
 from __future__ import annotations
@@ -164,6 +165,14 @@ class _Builder:
         ncoll = self.tr.applies.sum(axis=0)[rank]
         finite = np.isfinite(g) & (~hl | np.isfinite(lo))
         c = self.clock
+        device: dict[str, Any] = {}
+        if tr.dev_end is not None and tr.dev_enter is not None and tr.dev_exit is not None:
+            with np.errstate(invalid="ignore"):
+                d_ops = np.where(tr.applies[None], np.rint(tr.dev_exit) - np.rint(tr.dev_enter), 0.0)
+                d_span = np.rint(tr.dev_end) - start
+            d_coll = np.nan_to_num(d_ops, nan=0.0).sum(axis=1)
+            d_ns, d_cw = (v.astype(np.int64) for v in _rank_major(m, d_span, d_coll))
+            device = {"device_ns": d_ns, "device_compute_ns": d_ns - d_cw, "device_collective_ns": d_cw}
         cols = {
             "rank": rank, "step": step, "attempt": np.zeros(len(rank), np.int32),
             "start_wall_ns": c.wall(st, rank), "end_wall_ns": c.wall(en, rank),
@@ -171,20 +180,16 @@ class _Builder:
             "duration_ns": dur, "compute_ns": comp, "collective_wait_ns": cwv.astype(np.int64),
             "dataloader_wait_ns": dlv.astype(np.int64), "checkpoint_ns": ckv.astype(np.int64),
             "num_collectives": ncoll, "loss": _arr(lo, pa.float64(), hl), "local_grad_norm": g,
-            "all_finite": finite, "data_position": p,
+            "all_finite": finite, "data_position": p, **device,
         }
         return _table(Table.STEPS, cols, len(rank))
 
     def phases(self) -> pa.Table:
         tr = self.tr
-        with np.errstate(invalid="ignore"):
-            d = np.nan_to_num(np.where(tr.applies[None], tr.exit - tr.enter, 0.0), nan=0.0)
-        fwd = (_FWD1 + _FWD2) * tr.comp + d[:, [_RECV_F, _TP_F, _SEND_F]].sum(axis=1)
-        bwd = (_BWD1 + _BWD2) * tr.comp + d[:, [_RECV_B, _TP_B, _SEND_B, _DP]].sum(axis=1)
-        opt = _OPT * tr.comp
+        durs = _phase_durations(tr, tr.enter, tr.exit) if tr.cpu_phases is None else list(tr.cpu_phases)
         t0 = tr.start
+        fwd, bwd = durs[1], durs[2]
         starts = [t0, t0 + tr.dl, t0 + tr.dl + fwd, t0 + tr.dl + fwd + bwd]
-        durs = [tr.dl, fwd, bwd, opt]
         rank, step = _rank_major(self.step_ok, self.ranks_idx, self.steps_idx)
         st = np.stack(_rank_major(self.step_ok, *starts), axis=1).reshape(-1)
         du = np.stack(_rank_major(self.step_ok, *durs), axis=1).reshape(-1)
@@ -194,6 +199,9 @@ class _Builder:
         cols = {"rank": rank4, "step": step4, "phase": _strings(("data", "forward", "backward", "optimizer"), names),
                 "start_wall_ns": c.wall(st, rank4), "start_mono_ns": c.mono_ns(st, rank4),
                 "duration_ns": np.rint(du).astype(np.int64)}
+        if tr.dev_enter is not None and tr.dev_exit is not None:
+            dev = _phase_durations(tr, tr.dev_enter, tr.dev_exit)
+            cols["device_duration_ns"] = np.rint(np.stack(_rank_major(self.step_ok, *dev), axis=1).reshape(-1)).astype(np.int64)
         return _table(Table.PHASES, cols, len(rank4))
 
     def gpu(self) -> pa.Table:
@@ -278,6 +286,11 @@ class _Builder:
         col = rows % (S * 7)
         sl, st = slot[rank, col], step[rank, col]
         en, ex, ok = enter[rank, col], exit_[rank, col], done[rank, col]
+        dev_rows: tuple[np.ndarray, np.ndarray] | None = None
+        if tr.dev_enter is not None and tr.dev_exit is not None:
+            d_en = tr.dev_enter.transpose(2, 0, 1).reshape(n, S * 7)[rank, col]
+            d_ex = tr.dev_exit.transpose(2, 0, 1).reshape(n, S * 7)[rank, col]
+            dev_rows = (d_en - tr.start[step[rank, col], rank], d_ex - d_en)
         gs = gseq[rank, col]
         blocked = life.block >= 0
         self.block_group_seq[blocked] = gseq[np.flatnonzero(blocked), life.block[blocked]]
@@ -294,6 +307,14 @@ class _Builder:
         status = np.concatenate([np.where(ok, 0, 2), np.ones(len(err), np.int64)])
         order = np.argsort(rank, kind="stable")
         rank, sl, st, en, ex, gs, seqv, status = (a[order] for a in (rank, sl, st, en, ex, gs, seqv, status))
+        device: dict[str, Any] = {}
+        if dev_rows is not None:
+            pad = np.full(len(err), np.nan)
+            d_start, d_dur = (np.concatenate([v, pad])[order] for v in dev_rows)
+            with np.errstate(invalid="ignore"):
+                d_ok = (status == 0) & np.isfinite(d_dur)
+            device = {"device_duration_ns": _arr(np.rint(np.where(d_ok, d_dur, 0.0)).astype(np.int64), pa.int64(), d_ok),
+                      "device_start_ns": _arr(np.rint(np.where(d_ok, d_start, 0.0)).astype(np.int64), pa.int64(), d_ok)}
         has_exit = status != 2
         exv = np.where(has_exit, ex, 0.0)
         gid = np.choose(np.isin(sl, (_TP_F, _TP_B)).astype(int) + 2 * (sl == _DP),
@@ -318,7 +339,7 @@ class _Builder:
             "duration_ns": _arr(np.rint(exv - en).astype(np.int64), pa.int64(), has_exit),
             "status": _strings((str(CollectiveStatus.OK), str(CollectiveStatus.ERROR), str(CollectiveStatus.IN_FLIGHT)),
                                status),
-            "error": _strings((msg,), errors, status == 1),
+            "error": _strings((msg,), errors, status == 1), **device,
         }
         self.block_slot_gid = {int(r): int(g) for r, g, s_ in zip(rank, gid, status) if s_ == 2}
         return _table(Table.COLLECTIVES, cols, len(rank))
@@ -515,6 +536,16 @@ class _Builder:
             "pp_size": np.full(n, lay.pp), "groups": groups,
         }
         return _table(Table.TOPOLOGY, cols, n)
+
+
+def _phase_durations(tr: _Trace, enter: np.ndarray, exit_: np.ndarray) -> list[np.ndarray]:
+    """Durations of data, forward, backward and optimizer on the clock `enter`/`exit_` run on: the rank's compute
+    share of each phase plus the time inside its collectives (a host stall at the start of forward included)."""
+    with np.errstate(invalid="ignore"):
+        d = np.nan_to_num(np.where(tr.applies[None], exit_ - enter, 0.0), nan=0.0)
+    fwd = (_FWD1 + _FWD2) * tr.comp + d[:, [_RECV_F, _TP_F, _SEND_F]].sum(axis=1) + tr.stall
+    bwd = (_BWD1 + _BWD2) * tr.comp + d[:, [_RECV_B, _TP_B, _SEND_B, _DP]].sum(axis=1)
+    return [tr.dl, fwd, bwd, _OPT * tr.comp]
 
 
 def _write_parts(out: Path, table: Table, data: pa.Table, n: int) -> None:

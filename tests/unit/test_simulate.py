@@ -222,3 +222,32 @@ def test_standard_suite_covers_every_class_and_cause() -> None:
             SubjectKind.DOMAIN, SubjectKind.JOB} <= kinds
     controls = [lab for lab in labels if not lab.expected]
     assert len(controls) >= 10 and all(lab.benign for lab in controls)
+
+
+def test_gpu_timing_fills_the_device_columns_and_keeps_the_step_identity(tmp_path: Path) -> None:
+    from rankwatch.simulator.config import Timing
+
+    simulate(_cfg(Straggler(rank=5, from_step=10, slow=0.2), checkpoint_every=20, timing=Timing.GPU), tmp_path)
+    con = connect(tmp_path)
+    bad = con.execute(
+        "select count(*) from steps where duration_ns != compute_ns + collective_wait_ns + dataloader_wait_ns "
+        "+ checkpoint_ns or device_ns is null or device_compute_ns + device_collective_ns != device_ns "
+        "or device_collective_ns < 0 or compute_ns <= 0"
+    ).fetchone()
+    assert bad == (0,)
+    assert con.execute("select count(*) from steps where checkpoint_ns > 0").fetchone() == (2 * LAYOUT.world_size,)
+    assert con.execute("select count(*) - count(device_duration_ns) from phases").fetchone() == (0,)
+    assert con.execute("select count(*) - count(device_duration_ns), count(*) - count(device_start_ns) from "
+                       "collectives where status = 'ok'").fetchone() == (0, 0)
+    (label,) = read_labels(tmp_path).expected
+    assert (label.subject, label.cause) == ("5", Cause.DEVICE_SLOW)
+
+
+def test_host_stall_spec_parses_and_labels_by_timing() -> None:
+    from rankwatch.simulator.config import Timing
+    from rankwatch.simulator.labels import labels_for
+
+    f = parse_sim_fault("straggler:rank=3,from=5,slow=0.2,cause=host_stall")
+    assert f == Straggler(rank=3, from_step=5, slow=0.2, cause=StragglerCause.HOST_STALL)
+    assert labels_for(_cfg(f)).expected[0].cause == Cause.UNKNOWN
+    assert labels_for(_cfg(f, timing=Timing.GPU)).expected[0].cause == Cause.HOST_STALL
