@@ -3,6 +3,7 @@ threads' CPU, and ON vs OFF step time with a core per rank; projected to real st
 
     .venv/bin/python benchmarks/collector_cost.py            # full run, ~6–7 minutes on 2 cores
     .venv/bin/python benchmarks/collector_cost.py --quick    # a short run of every part (the unit test's), ~1 minute
+    .venv/bin/python benchmarks/collector_cost.py --ab-blocks 2 --cp-quads 400   # fewer ON-vs-OFF blocks (a loaded machine)
 
 benchmarks/collector_overhead.py runs 8 rank processes on 2 cores, so every bit of background CPU the collector uses
 lands on the step time. On a GPU host each rank has cores of its own; this benchmark measures the pieces that
@@ -688,7 +689,8 @@ def _table(plan: Plan, cp: CriticalPath, breakdown: dict[str, float], bg: list[B
         for n in PROJECTED_COLLECTIVES:
             bg_s = ""
             if fit is not None:
-                bg_s = f"; background {fit[0] + fit[1] / s + fit[2] * n / s:.2f} % of a core, off the critical path"
+                share = max(0.0, fit[0] + fit[1] / s + fit[2] * n / s)  # the fit's intercept can dip below 0
+                bg_s = f"; background {share:.2f} % of a core (model), off the critical path"
             rows.append((f"projected overhead, {s:g} s step × {n:,} collectives, %",
                          f"{cp.projected[(s, n)].fmt(3)}{bg_s}"))
     rows.append(("collector internal errors + dropped rows (in process)", str(errors)))
