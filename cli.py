@@ -207,8 +207,9 @@ def _print_recovery(cfg: CanaryConfig) -> None:
 
 
 def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = None, anomaly: bool = True,
-                 progress: bool = True) -> int:
+                 progress: bool = True, clock: str = "auto") -> int:
     from rankwatch.analytics.analyze import ANALYSIS_DIR, AnalysisConfig, analyze, render_incidents, write_analysis
+    from rankwatch.analytics.frames import Clock
     import json
 
     from rankwatch.analytics.incidents import to_json
@@ -217,7 +218,8 @@ def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = N
         if progress:
             print(f"  .. {msg}", file=sys.stderr, flush=True)
 
-    analysis = analyze(run_dir, config=AnalysisConfig(window_steps=window, anomaly=anomaly), progress=say)
+    analysis = analyze(run_dir, config=AnalysisConfig(window_steps=window, anomaly=anomaly), progress=say,
+                       clock=Clock(clock))
     for w in analysis.warnings:
         print(f"rankwatch analyze: warning: {w}", file=sys.stderr)
     try:
@@ -253,7 +255,7 @@ def _say_warnings(command: str, warnings: Sequence[str]) -> None:
 
 def _analyze(args: argparse.Namespace) -> int:
     return _analyze_run(args.run_dir, as_json=args.json, window=args.window, anomaly=not args.no_anomaly,
-                        progress=not args.quiet)
+                        progress=not args.quiet, clock=args.clock)
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -469,6 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.add_argument("--window", type=int, default=None, metavar="STEPS", help="analyze only the latest STEPS steps")
     a.add_argument("--no-anomaly", action="store_true", help="skip the anomaly model")
     a.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    a.add_argument("--clock", choices=("auto", "cpu", "device"), default="auto",
+                   help="read timing from the CPU or the device (CUDA event) columns; auto: the device's where every "
+                        "rank has them")
     sim = sub.add_parser("simulate", help="write synthetic telemetry at scale with ground-truth labels")
     sim.add_argument("--ranks", type=int, required=True)
     sim.add_argument("--hosts", type=int, required=True)
