@@ -193,8 +193,11 @@ def _own_table(frames: Frames, config: StragglerConfig) -> pl.DataFrame:
     # (compute is null only on the device clock, for steps whose device events were dropped unresolved)
     comp, dl, ck = (pl.col(c.value).fill_null(0).cast(pl.Float64) for c in
                     (Steps.COMPUTE_NS, Steps.DATALOADER_WAIT_NS, Steps.CHECKPOINT_NS))
+    # On the device clock the rank's device compute already holds the time its GPU idled while the host waited for
+    # a batch (the fetch is inside the step): adding the dataloader wait would count it twice.
+    device = frames.clock is Clock.DEVICE
     steps = steps.with_columns(
-        comp.alias("comp"), dl.alias("dl"), ck.alias("ck"), (comp + dl).alias("own"),
+        comp.alias("comp"), dl.alias("dl"), ck.alias("ck"), (comp if device else comp + dl).alias("own"),
         pl.col(_ROLE).fill_null("job"), pl.col(Topology.PP.value).fill_null(0),
     )
     role_size = steps.group_by(_ROLE).agg(pl.col(_R).n_unique().alias("role_size"))
@@ -205,7 +208,7 @@ def _own_table(frames: Frames, config: StragglerConfig) -> pl.DataFrame:
     # is seen as long as the host holds at most half of a role (hosts >= 2 * pp with contiguous placement).
     meds = steps.group_by("peer", _S).agg(
         pl.col("comp").median().alias("med_comp"), pl.col("dl").median().alias("med_dl"),
-    ).with_columns((pl.col("med_comp") + pl.col("med_dl")).alias("med_own"))
+    ).with_columns((pl.col("med_comp") if device else pl.col("med_comp") + pl.col("med_dl")).alias("med_own"))
     return (
         steps.join(meds, on=["peer", _S])
         .sort(_R, _S)
