@@ -8,6 +8,7 @@ parallelism is explicit send/recv between neighbouring stages, microbatch by mic
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -43,6 +44,9 @@ log = logging.getLogger("rankwatch.trainer")
 
 GPU_MODES = ("auto", "nvml", "replay", "off")
 STEP_TIMES_DIR = "step_times"
+GPU_SLOW_CPU_WARNING = "gpu_slow on CPU: extra CPU work instead of device work"
+"""How the warning event (and log line) of a rank that applies `gpu_slow` without a CUDA device begins, once per
+process; the calibration follows in parentheses."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,6 +145,96 @@ def determinism_inputs(cfg: CanaryConfig) -> DeterminismInputs:
                                      buckets_pinned=cfg.pin_ddp_buckets, bucket_cap_mb=DDP_BUCKET_CAP_MB)
 
 
+class ExtraCompute:
+    """The extra work of the `gpu_slow` fault: square matrix products that make the rank's step compute `factor`
+    times as long.
+
+    `calibrate` measures, once at setup and on the rank's own device, the rank's own step compute (`own_s`: a step
+    of a throwaway copy of its model) and one product of a size picked so that about `SLICES` of them make `own_s`
+    (`matmul_s`). `run(factor)` then issues (factor - 1) * own_s / matmul_s products, carrying the fraction to the
+    next call so the mean is exact. On CUDA they are enqueued on the current (compute) stream and `run` returns at
+    once — no host sleep, no synchronization: the device, not the host thread, is slow. On CPU they run on the
+    calling thread (the fallback the canary announces with `GPU_SLOW_CPU_WARNING`)."""
+
+    SLICES = 16
+    """Products per `own_s` the size is picked for: the grain of a factor is 1 / SLICES of the own compute."""
+    MIN_MATMUL_S = {"cuda": 50e-6, "cpu": 0.0}
+    """Shortest product per device type: on CUDA a kernel must outlast its launch (a few µs), or the host, not the
+    device, would pay for the extra work."""
+    SIZES = (16, 8192)
+    """Bounds of the matrix size (fp32; 8192 holds 768 MiB in the three matrices)."""
+
+    def __init__(self, device: torch.device, *, own_s: float, size: int, matmul_s: float) -> None:
+        if own_s <= 0 or matmul_s <= 0:
+            raise ValueError(f"ExtraCompute: own_s and matmul_s must be > 0, got {own_s}, {matmul_s}")
+        self.device = device
+        self.own_s = own_s
+        """Seconds of the rank's own step compute, as measured."""
+        self.size = size
+        """Rows (and columns) of the square matrices multiplied."""
+        self.matmul_s = matmul_s
+        """Seconds of one product, as measured."""
+        gen = torch.Generator(device=device).manual_seed(0)  # a generator of its own: the job's RNG stays untouched
+        self._a = torch.randn((size, size), generator=gen, device=device) / size**0.5
+        self._b = torch.randn((size, size), generator=gen, device=device) / size**0.5
+        self._out = torch.empty((size, size), device=device)
+        self._carry = 0.0
+
+    @classmethod
+    def calibrate(cls, device: torch.device, own_step: Callable[[], object], *, repeats: int = 7) -> ExtraCompute:
+        """Time `own_step` (one step of the rank's own compute) and size the products after it."""
+        own_s = _fastest_s(own_step, device, repeats)
+        target = max(own_s / cls.SLICES, cls.MIN_MATMUL_S.get(device.type, 0.0))
+        size = 256 if device.type == "cpu" else 2048
+        for attempt in range(4):
+            probe = cls(device, own_s=own_s, size=size, matmul_s=1.0)
+            matmul_s = _fastest_s(lambda: probe._products(8), device, repeats) / 8
+            scaled = size * (target / matmul_s) ** (1 / 3)  # a product's work grows with the cube of its size
+            nxt = min(max(cls.SIZES[0], 16 * round(scaled / 16)), cls.SIZES[1])
+            if nxt == size or 0.7 < target / matmul_s < 1.4 or attempt == 3:
+                break
+            size = nxt
+        return cls(device, own_s=own_s, size=size, matmul_s=matmul_s)
+
+    def products_for(self, factor: float) -> float:
+        """Products that add (factor - 1) times the own compute."""
+        return max(0.0, factor - 1.0) * self.own_s / self.matmul_s
+
+    def run(self, factor: float) -> int:
+        """Issue the products of one step at `factor`; returns how many."""
+        if factor <= 1.0:
+            return 0
+        wanted = self.products_for(factor) + self._carry
+        n = int(wanted)
+        self._carry = wanted - n
+        self._products(n)
+        return n
+
+    def _products(self, n: int) -> None:
+        a, b, out = self._a, self._b, self._out
+        for _ in range(n):
+            torch.mm(a, b, out=out)
+
+
+def _fastest_s(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls of `fn` after one warm-up call (the fastest: preemption only ever
+    adds time). On CUDA wall time, synchronized around each call (setup only); on CPU with one intra-op thread the
+    calling thread's CPU time, which is the work itself and leaves out other processes' share of a loaded host."""
+    cuda = device.type == "cuda"
+    clock = time.thread_time if not cuda and torch.get_num_threads() == 1 else time.perf_counter
+    fn()
+    times: list[float] = []
+    for _ in range(max(1, repeats)):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = clock()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(clock() - start)
+    return max(min(times), 1e-9)
+
+
 def _flip_bit(t: torch.Tensor, index: int, bit: int) -> None:
     flat = t.data.view(-1)
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
@@ -221,6 +315,7 @@ class _Rank:
 
         self.stage = Stage(self.cfg.model, seed=self.cfg.seed, pp=self.pp, pp_size=self.layout.pp,
                            tp=self.tp, tp_size=self.layout.tp).to(self.device)
+        self.extra = self._calibrate_extra() if self.faults.slows_device(self.rank) else None
         self.stage.set_all_reduce(self._tp_all_reduce)
         self.ddp = DDP(self.stage, process_group=self.groups.dp)
         if self.cfg.pin_ddp_buckets:
@@ -241,6 +336,35 @@ class _Rank:
             self.start_step = resumed.next_step
             if self.faults and (nudge := self.faults.nudge_after_load()) is not None:
                 self._nudge(nudge.param, nudge.index)
+
+    def _calibrate_extra(self) -> ExtraCompute:
+        """The `gpu_slow` work, sized after one step of a throwaway copy of this rank's stage (its tensor-parallel
+        all-reduces still no-ops, no DDP, inputs from a generator of its own): the job's state and RNG stay as
+        they are, so a gpu_slow run trains bitwise like a clean one."""
+        cfg = self.cfg
+        stage = copy.deepcopy(self.stage)
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.lr)
+        mb = cfg.global_batch // self.layout.dp // cfg.microbatches
+        width = cfg.model.d_in if stage.first else cfg.model.d_model
+        gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        inputs = [torch.randn((mb, width), generator=gen, device=self.device) for _ in range(cfg.microbatches)]
+
+        def own_step() -> None:
+            for x in inputs:
+                out = stage(x)
+                out.backward(torch.ones_like(out) / out.numel())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        extra = ExtraCompute.calibrate(self.device, own_step)
+        calibration = (f"calibrated: own step {extra.own_s * 1e3:.2f} ms, {extra.products_for(2.0):.1f} products of "
+                       f"{extra.size}x{extra.size} per unit of factor")
+        if self.cuda:
+            log.info("rank %d: gpu_slow %s", self.rank, calibration)
+        else:
+            log.warning("rank %d: %s (%s)", self.rank, GPU_SLOW_CPU_WARNING, calibration)
+            self.c.warning(f"{GPU_SLOW_CPU_WARNING} ({calibration})")
+        return extra
 
     # -- communication (timed, with link faults inside the timed region) ------------------------------
     def _link_delay(self, info: GroupInfo) -> None:
@@ -306,6 +430,7 @@ class _Rank:
                 x, y = next(self.batches)
                 x, y = x.to(self.device), y.to(self.device)
             delay = self.faults.compute_delay_s(self.rank, step) if self.faults else 0.0
+            factor = self.faults.device_factor(self.rank, step) if self.extra is not None else 1.0
             losses: list[torch.Tensor] = []
             for m in range(cfg.microbatches):
                 xm, ym = x[m * mb : (m + 1) * mb], y[m * mb : (m + 1) * mb]
@@ -314,6 +439,8 @@ class _Rank:
                     with self.c.phase("forward"):
                         if delay and m == 0:
                             time.sleep(delay)  # a slow device: more time in the rank's own compute
+                        if factor > 1.0 and m == 0:
+                            self.extra.run(factor)  # type: ignore[union-attr]  # on CUDA: enqueued, no wait
                         if first:
                             inp = xm
                         else:

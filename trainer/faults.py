@@ -28,6 +28,7 @@ class FaultKind(StrEnum):
     BAD_DEVICE = "bad_device"
     SLOW_LINK = "slow_link"
     NUDGE = "nudge"
+    GPU_SLOW = "gpu_slow"
 
 
 class FlipTarget(StrEnum):
@@ -160,7 +161,20 @@ class Nudge:
     index: int = 0
 
 
-Fault = Slow | Exit | Kill | Hang | BitFlip | SkewRng | SkewData | Throttle | BadDevice | SlowLink | Nudge
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GpuSlow:
+    """The rank's device does `factor` times its own compute per step from `from_step` (until `until_step`): extra
+    matrix products sized from the rank's measured step compute, enqueued on the compute stream with no host sleep
+    and no synchronization, so a slow GPU shows on the device clock and not in the host thread's enqueue time (on
+    CPU: the same products on the training thread). `slow` is the host-side stall; this is the device-side one."""
+
+    rank: int
+    from_step: int = 0
+    factor: float
+    until_step: int | None = None
+
+
+Fault = Slow | Exit | Kill | Hang | BitFlip | SkewRng | SkewData | Throttle | BadDevice | SlowLink | Nudge | GpuSlow
 
 THROTTLE_REASONS: dict[str, ThrottleReason] = {
     "thermal": ThrottleReason.HW_THERMAL_SLOWDOWN,
@@ -169,6 +183,9 @@ THROTTLE_REASONS: dict[str, ThrottleReason] = {
     "power_brake": ThrottleReason.HW_POWER_BRAKE_SLOWDOWN,
     "hw_slowdown": ThrottleReason.HW_SLOWDOWN,
 }
+
+GPU_SLOW_MAX_FACTOR = 100.0
+"""Largest `gpu_slow` factor: beyond it the extra work is a hang, not a slowdown (use `hang`)."""
 
 # CLI key -> dataclass field, per kind; the CLI keys are short (`from`, `delay`) where Python needs more.
 _KINDS: dict[FaultKind, tuple[type, dict[str, str]]] = {
@@ -196,6 +213,7 @@ _KINDS: dict[FaultKind, tuple[type, dict[str, str]]] = {
     ),
     FaultKind.SLOW_LINK: (SlowLink, {"hosts": "hosts", "from": "from_step", "delay": "delay_s", "until": "until_step"}),
     FaultKind.NUDGE: (Nudge, {"param": "param", "index": "index"}),
+    FaultKind.GPU_SLOW: (GpuSlow, {"rank": "rank", "from": "from_step", "factor": "factor", "until": "until_step"}),
 }
 _KIND_OF: dict[type, FaultKind] = {cls: kind for kind, (cls, _) in _KINDS.items()}
 
@@ -273,6 +291,9 @@ def _check_values(fault: Fault) -> None:
         raise ValueError(f"fault bitflip: bit must be in 0..63, got {fault.bit}")
     if isinstance(fault, Slow) and fault.period is not None and fault.period < 1:
         raise ValueError("fault slow: period must be >= 1")
+    if isinstance(fault, GpuSlow) and not 1.0 <= fault.factor <= GPU_SLOW_MAX_FACTOR:
+        raise ValueError(f"fault gpu_slow: factor must be in 1..{GPU_SLOW_MAX_FACTOR:g} (1 = no extra work), "
+                         f"got {fault.factor}")
 
 
 def fault_spec(fault: Fault) -> str:
@@ -392,6 +413,9 @@ class Faults:
     def nudge(self, *, param: int = 0, index: int = 0) -> Faults:
         return self.add(Nudge(param=param, index=index))
 
+    def gpu_slow(self, *, rank: int, from_step: int = 0, factor: float, until_step: int | None = None) -> Faults:
+        return self.add(GpuSlow(rank=rank, from_step=from_step, factor=factor, until_step=until_step))
+
     # -- questions the trainer asks -------------------------------------------------------------------
     def _of(self, cls: type, rank: int) -> list[Any]:
         return [f for f in self.faults if isinstance(f, cls) and getattr(f, "rank", None) == rank]
@@ -399,6 +423,16 @@ class Faults:
     def compute_delay_s(self, rank: int, step: int) -> float:
         total = sum(f.delay_s for f in self._of(Slow, rank) if _active(step, f.from_step, f.until_step, f.period, f.burst))
         return total + sum(f.delay_s for f in self._of(Throttle, rank) if _active(step, f.from_step, f.until_step, None, None))
+
+    def device_factor(self, rank: int, step: int) -> float:
+        """How many times its own compute the rank's device does at `step` (`gpu_slow`): 1.0 = none extra; the
+        extra parts of several active faults add up."""
+        return 1.0 + sum(f.factor - 1.0 for f in self._of(GpuSlow, rank)
+                         if _active(step, f.from_step, f.until_step, None, None))
+
+    def slows_device(self, rank: int) -> bool:
+        """Whether any `gpu_slow` fault names `rank` (the trainer calibrates the extra work only then)."""
+        return bool(self._of(GpuSlow, rank))
 
     def throttle_reason(self, rank: int, step: int) -> ThrottleReason | None:
         for f in self._of(Throttle, rank):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from rankwatch.collector.schema import ThrottleReason
 from rankwatch.trainer import Faults
+from rankwatch.trainer.canary import GPU_SLOW_CPU_WARNING, STEP_TIMES_DIR
 
 from support import canary, rows, run
 
@@ -109,3 +111,27 @@ def test_slow_link_slows_only_collectives_that_cross_it(faulty: Path) -> None:
     ms = {(c, d): v for c, d, v in got}
     assert ms[(True, True)] > 50 and ms[(True, False)] < 40
     assert ms[(False, True)] < 40
+
+
+def _thread_cpu_ms(run_dir: Path, rank: int, lo: int, hi: int) -> float:
+    """Median CPU time of the rank's training thread per step over [lo, hi) (the canary's step times): unlike the
+    wall clock, it does not move with the load of a shared CI host."""
+    cpu = json.loads((run_dir / STEP_TIMES_DIR / f"rank-{rank}.json").read_text())["thread_cpu_ns"]
+    return statistics.median((cpu[s] - cpu[s - 1]) / 1e6 for s in range(max(lo, 1), hi))
+
+
+def test_gpu_slow_on_cpu_does_extra_work_on_its_rank_only_and_says_so(tmp_path: Path) -> None:
+    """Without CUDA, gpu_slow falls back to extra CPU work on the training thread: the slow rank's thread does about
+    `factor` times its work, its peer does not, the fallback is announced once, and the numerics are those of a clean
+    run (the calibration trains a throwaway copy with inputs of its own)."""
+    slowed = tmp_path / "gpu_slow"
+    faults = Faults().gpu_slow(rank=1, from_step=10, factor=2.0)
+    assert run(canary(slowed, layout="dp=2", steps=30, faults=faults, record_step_times=True)).ok
+    clean = tmp_path / "clean"
+    assert run(canary(clean, layout="dp=2", steps=30)).ok
+    rise = {r: _thread_cpu_ms(slowed, r, 12, 30) / _thread_cpu_ms(slowed, r, 3, 10) for r in (0, 1)}
+    assert rise[1] > 1.4 and rise[0] < 1 + 0.5 * (rise[1] - 1), rise
+    said = rows(slowed, "SELECT rank, message FROM events WHERE kind = 'warning'")
+    assert [(r, m.startswith(GPU_SLOW_CPU_WARNING)) for r, m in said] == [(1, True)]
+    loss = "SELECT rank, step, loss FROM steps ORDER BY rank, step"
+    assert rows(slowed, loss) == rows(clean, loss)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
+import torch
 
 from rankwatch.collector.schema import ThrottleReason, link_name
 from rankwatch.trainer.faults import (
@@ -17,6 +19,7 @@ from rankwatch.trainer.faults import (
     FaultKind,
     Faults,
     FlipTarget,
+    GpuSlow,
     Hang,
     Kill,
     Nudge,
@@ -28,6 +31,7 @@ from rankwatch.trainer.faults import (
     fault_spec,
     parse_fault,
 )
+from rankwatch.trainer.canary import ExtraCompute
 
 HOSTS = ["host0", "host1", "host2", "host3"]
 
@@ -59,6 +63,8 @@ FULL: dict[FaultKind, tuple[str, Fault]] = {
         SlowLink(host_a=0, host_b=1, from_step=2, delay_s=0.1, until_step=8),
     ),
     FaultKind.NUDGE: ("nudge:param=2,index=7", Nudge(param=2, index=7)),
+    FaultKind.GPU_SLOW: ("gpu_slow:rank=1,from=20,factor=1.5,until=60",
+                         GpuSlow(rank=1, from_step=20, factor=1.5, until_step=60)),
 }
 
 # The shortest valid spec per kind, and what it parses to (defaults filled in).
@@ -74,6 +80,7 @@ MINIMAL: dict[FaultKind, tuple[str, Fault]] = {
     FaultKind.BAD_DEVICE: ("bad_device:host=0,index=1", BadDevice(host=0, index=1)),
     FaultKind.SLOW_LINK: ("slow_link:hosts=1-0,delay=0.1", SlowLink(host_a=1, host_b=0, delay_s=0.1)),
     FaultKind.NUDGE: ("nudge:", Nudge()),
+    FaultKind.GPU_SLOW: ("gpu_slow:rank=0,factor=2", GpuSlow(rank=0, factor=2.0)),
 }
 
 
@@ -247,6 +254,7 @@ def test_every_builder_adds_its_fault() -> None:
         .bad_device(host=1, index=2, from_step=5, delay_s=0.04, until_step=50, reason="power")
         .slow_link(hosts=(0, 1), from_step=2, delay_s=0.1, until_step=8)
         .nudge(param=2, index=7)
+        .gpu_slow(rank=1, from_step=20, factor=1.5, until_step=60)
     )
     assert f.faults == tuple(fault for _, fault in FULL.values())
 
@@ -386,3 +394,95 @@ def test_a_bad_device_must_exist() -> None:
         Faults().bad_device(host=0, index=2).validate(world_size=4, hosts=2)
     with pytest.raises(ValueError, match=r"host 2 does not exist"):
         Faults().bad_device(host=2, index=0).validate(world_size=4, hosts=2)
+
+
+# -- gpu_slow: a device that does more work, not a host that sleeps ----------------------------------------------
+
+
+@pytest.mark.parametrize("factor", ["0.5", "0", "-2", "101", "nan", "inf"])
+def test_gpu_slow_factor_outside_1_to_100_is_rejected(factor: str) -> None:
+    message = _error(f"gpu_slow:rank=0,factor={factor}")
+    assert "fault gpu_slow: factor must be in 1..100" in message
+    with pytest.raises(ValueError, match="factor must be in 1..100"):
+        Faults().gpu_slow(rank=0, factor=float(factor))
+
+
+def test_gpu_slow_bad_and_missing_items() -> None:
+    assert "factor='fast' is not a number" in _error("gpu_slow:rank=0,factor=fast")
+    assert "missing factor=" in _error("gpu_slow:rank=0,from=3")
+    assert "missing rank=" in _error("gpu_slow:factor=2")
+    assert "valid keys: rank, from, factor, until" in _error("gpu_slow:rank=0,factor=2,delay=0.1")
+    assert "from_step must be >= 0" in _error("gpu_slow:rank=0,factor=2,from=-1")
+
+
+def test_gpu_slow_rank_must_exist_and_is_not_moved_by_placement() -> None:
+    f = Faults().gpu_slow(rank=3, factor=2.0)
+    f.validate(world_size=4, hosts=2)
+    with pytest.raises(ValueError, match=r"'gpu_slow:rank=3,from=0,factor=2.0': rank 3 does not exist"):
+        f.validate(world_size=2, hosts=1)
+    assert f.placed(rank=3, host=1, slot=0) == f
+
+
+def test_device_factor_respects_from_and_until_and_adds_the_extra_parts() -> None:
+    f = Faults().gpu_slow(rank=1, from_step=10, factor=1.5, until_step=13).gpu_slow(rank=1, from_step=12, factor=2.0)
+    assert [f.device_factor(1, s) for s in range(9, 15)] == [1.0, 1.5, 1.5, 2.5, 2.0, 2.0]
+    assert f.device_factor(0, 12) == 1.0
+    assert f.slows_device(1) and not f.slows_device(0)
+    # a device-side slowdown is no host-side delay, and the host-side one leaves the device alone
+    assert f.compute_delay_s(1, 12) == 0.0
+    assert Faults().slow(rank=1, delay_s=0.2).device_factor(1, 5) == 1.0
+    assert Faults().device_factor(0, 0) == 1.0 and not Faults().slows_device(0)
+
+
+def test_extra_compute_issues_the_products_of_the_factor_with_the_fraction_carried() -> None:
+    extra = ExtraCompute(torch.device("cpu"), own_s=0.010, size=16, matmul_s=0.004)
+    assert extra.products_for(1.0) == 0.0 and extra.products_for(0.5) == 0.0
+    assert extra.products_for(2.0) == pytest.approx(2.5)
+    assert [extra.run(2.0) for _ in range(4)] == [2, 3, 2, 3]
+    assert extra.run(1.0) == 0
+    with pytest.raises(ValueError, match="must be > 0"):
+        ExtraCompute(torch.device("cpu"), own_s=0.0, size=16, matmul_s=0.001)
+
+
+def test_extra_compute_leaves_the_global_rng_alone() -> None:
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    ExtraCompute(torch.device("cpu"), own_s=0.01, size=32, matmul_s=0.001).run(3.0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def _cpu_s(fn: object) -> float:
+    assert callable(fn)
+    start = time.thread_time()
+    fn()
+    return time.thread_time() - start
+
+
+def test_cpu_fallback_adds_time_proportional_to_the_factor() -> None:
+    """The CPU fallback of gpu_slow, calibrated on a small MLP step: own + extra(factor) takes ~factor times own.
+    On the thread's CPU clock (one intra-op thread: the work itself), fastest of interleaved repeats, since this
+    machine may be shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w1, w2 = torch.randn(256, 512, generator=gen), torch.randn(512, 256, generator=gen)
+        x = torch.randn(64, 256, generator=gen)
+
+        def own() -> None:
+            for _ in range(4):
+                torch.relu(x @ w1) @ w2
+
+        extra = ExtraCompute.calibrate(torch.device("cpu"), own)
+        assert 4 <= extra.own_s / extra.matmul_s <= 64  # sized to about SLICES products per own step
+        best: dict[float, float] = {1.0: float("inf"), 1.5: float("inf"), 2.0: float("inf"), 3.0: float("inf")}
+        for _ in range(12):
+            for factor in best:
+                best[factor] = min(best[factor], _cpu_s(lambda: (own(), extra.run(factor))))
+        base = best[1.0]
+        for factor in (1.5, 2.0, 3.0):
+            added = (best[factor] - base) / base
+            assert 0.5 * (factor - 1) < added < 2.0 * (factor - 1), (factor, best)
+    finally:
+        torch.set_num_threads(threads)
