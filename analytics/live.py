@@ -23,12 +23,13 @@ from pathlib import Path
 import duckdb
 
 from rankwatch.analytics.analyze import Analysis, Progress, detect_all
-from rankwatch.analytics.errors import RunDirError
+from rankwatch.analytics.errors import RunDirError, SchemaVersionError
 from rankwatch.analytics.queries import load_frames
 from rankwatch.analytics.store import (
     ANALYZED_TABLES,
     RELIST_TRIES,
     analyzed_columns,
+    footer_version,
     parquet_source,
     part_footers,
     readable_parts,
@@ -36,8 +37,8 @@ from rankwatch.analytics.store import (
     telemetry_dir,
 )
 from rankwatch.analytics.validate import check_keys, data_warnings, is_guard_error, read_error, stray_tables
-from rankwatch.collector.rollup import COVERS_KEY, PartListing, part_number, rank_of_part, read_covers
-from rankwatch.collector.schema import EventKind, Table
+from rankwatch.collector.rollup import COVERS_KEY, MANIFEST, PartListing, part_number, rank_of_part, read_covers
+from rankwatch.collector.schema import SCHEMA_VERSION, EventKind, Table
 
 _REFRESH_THREADS = 3
 """Tables read at once by `LiveAnalyzer.refresh`."""
@@ -138,6 +139,10 @@ class LiveAnalyzer:
         hosts: list[Path] = []  # new host parts holding no row held already: read without opening their footers
         check: list[Path] = []  # new host parts that may hold rows held already, and new rank parts: footers first
         for directory, manifest in listing.manifests:
+            if manifest.schema_version != SCHEMA_VERSION:
+                raise SchemaVersionError(f"{directory / MANIFEST}: host parts of schema version "
+                                         f"{manifest.schema_version}; a live monitor reads version {SCHEMA_VERSION} "
+                                         "only — analyze a run written by an older rankwatch with `rankwatch analyze`")
             new = [directory / p for p in manifest.parts if directory / p not in self._seen]
             overlap = any(cov.covers(n) for r, cov in manifest.ranks.items() for n in direct.get(r, ()))
             (check if overlap else hosts).extend(new)
@@ -148,6 +153,11 @@ class LiveAnalyzer:
         if check:
             meta, problems = part_footers(con, check, keys=(COVERS_KEY,))
             self.warnings.extend(f"{p} — left out for now" for p in problems)
+            old = next((f for f, m in meta.items() if footer_version(m) != SCHEMA_VERSION), None)
+            if old is not None:
+                raise SchemaVersionError(f"{old}: schema version {footer_version(meta[old])}; a live monitor reads "
+                                         f"version {SCHEMA_VERSION} only — analyze a run written by an older "
+                                         "rankwatch with `rankwatch analyze`")
         partial: list[tuple[Path, list[tuple[int, int]], list[tuple[int, int]]]] = []
         for f in check:
             if f not in meta or f in loose:

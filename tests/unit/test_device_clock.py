@@ -179,3 +179,13 @@ def test_parts_of_several_versions_in_one_table_read_together(tmp_path: Path) ->
     clock, warning = q.run_clock(con)  # rank 3 wrote no device timing: a mixed run
     assert clock is Clock.CPU and warning is not None
     assert pa.types.is_int64(pq.read_schema(victim).field("duration_ns").type)
+
+
+def test_a_live_monitor_refuses_parts_of_an_earlier_version_in_one_line(tmp_path: Path) -> None:
+    from rankwatch.analytics.errors import SchemaVersionError
+    from rankwatch.analytics.live import LiveAnalyzer
+
+    run = gpu_run(tmp_path, versions={Table.STEPS: 2})
+    with pytest.raises(SchemaVersionError, match=r"steps/rank=\d/part-000000.parquet: schema version 2; a live"):
+        LiveAnalyzer(run).refresh()
+    assert analyze(run).ranks == RANKS  # post hoc, the same run is read
