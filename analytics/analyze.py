@@ -26,6 +26,7 @@ from rankwatch.analytics.localize import RunObservation
 from rankwatch.analytics.queries import groups, load_frames, run_clock, topology
 from rankwatch.analytics.store import attach, check_store, materialize, open_run, telemetry_dir
 from rankwatch.analytics.straggler import detect_stragglers
+from rankwatch.analytics.transient import detect_transient_stalls
 from rankwatch.analytics.validate import read_error
 from rankwatch.collector.schema import Table
 
@@ -91,7 +92,8 @@ def detect_all(frames: Frames, *, anomaly: bool = True, progress: Progress = _qu
     """Every detector over one bundle of frames; the anomaly model last, told what the others found."""
     found: list[Incident] = []
     stages: list[tuple[str, Callable[[Frames], tuple[Incident, ...]]]] = [
-        ("fail-stop and hang", detect_failstops), ("straggler", detect_stragglers),
+        ("fail-stop and hang", detect_failstops), ("transient stall", detect_transient_stalls),
+        ("straggler", detect_stragglers),
         ("divergence", detect_divergence), ("replay verification", detect_replay_divergence),
         ("corruption", detect_corruption),
     ]

@@ -82,6 +82,8 @@ class Cause(StrEnum):
     VANISHED = "vanished"
     STUCK_IN_COLLECTIVE = "stuck_in_collective"
     STUCK_IN_STEP = "stuck_in_step"
+    TRANSIENT_STALL = "transient_stall"
+    """A rank stalled for seconds (one step many times the usual) while its peers waited for it, then carried on."""
     # divergence causes (the first field that disagreed)
     STEP_MISMATCH = "step_mismatch"
     RNG_MISMATCH = "rng_mismatch"

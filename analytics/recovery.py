@@ -308,6 +308,9 @@ def decide(
         return _straggler(incident, recurrence, path)
     if k is IncidentClass.IMBALANCE:
         return _observe(path, "imbalance is a job-design issue (stage split, data skew): rebalance, do not recover")
+    if k is IncidentClass.HANG and incident.cause is Cause.TRANSIENT_STALL:
+        return _observe(path, "a transient stall: the rank came back by itself and the job carried on; nothing is "
+                              "lost and nothing to recover (it cost the job its duration: watch for a recurrence)")
     if k is IncidentClass.UNCLASSIFIED:
         return _observe(path, "unclassified: reported, not guessed; no recovery without a class")
     if k in (IncidentClass.DIVERGENCE, IncidentClass.CORRUPTION):
@@ -723,6 +726,7 @@ def _cases() -> tuple[DecisionCase, ...]:
     add("straggler-link-recurs", _inc(S, (4, 5), Cause.SLOW_LINK), None, rec=_rec(S, FollowsKind.LINK, "h0<->h1"))
     add("imbalance", _inc(IncidentClass.IMBALANCE, (6, 7), Cause.STAGE_IMBALANCE), _gate(_A, _JOB))
     add("unclassified", _inc(IncidentClass.UNCLASSIFIED, (2,), Cause.UNKNOWN), None)
+    add("hang-transient", _inc(H, (3,), Cause.TRANSIENT_STALL), None)
 
     for mem, tag in ((_DP, "dp"), (_SPARE, "spare"), (_FIX, "fixed")):
         add(f"failstop-agree-idem-{tag}", fail, _gate(_A), _I, mem)

@@ -75,6 +75,7 @@ EXPECTED: dict[str, X] = {
                                 "no restart or rollback"),
     "imbalance": _x(A.OBSERVE, None, ("-> observe",), "job-design issue"),
     "unclassified": _x(A.OBSERVE, None, ("-> observe",), "reported, not guessed"),
+    "hang-transient": _x(A.OBSERVE, None, ("-> observe",), "came back by itself"),
     "failstop-agree-idem-dp": _x(
         A.REBUILD_GROUP, "group:dp without 3",
         ("gate=agree", "idempotent=idempotent", "membership=pure_dp_reconfigurable_batch", "recurrence=none",
