@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -235,6 +236,15 @@ def _fastest_s(fn: Callable[[], object], device: torch.device, repeats: int) -> 
     return max(min(times), 1e-9)
 
 
+def _freeze(seconds: float) -> None:
+    """Stop this whole process for `seconds` (SIGSTOP), continued by a helper process started first (SIGCONT): what
+    an operator's `kill -STOP`/`-CONT`, or a host that froze the process, does."""
+    pid = os.getpid()
+    subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep({seconds!r}); "
+                      f"os.kill({pid}, signal.SIGCONT)"], start_new_session=True)
+    os.kill(pid, signal.SIGSTOP)
+
+
 def _flip_bit(t: torch.Tensor, index: int, bit: int) -> None:
     flat = t.data.view(-1)
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
@@ -431,6 +441,7 @@ class _Rank:
                 x, y = x.to(self.device), y.to(self.device)
             delay = self.faults.compute_delay_s(self.rank, step) if self.faults else 0.0
             factor = self.faults.device_factor(self.rank, step) if self.extra is not None else 1.0
+            frozen = self.faults.freeze_s(self.rank, step) if self.faults else 0.0
             losses: list[torch.Tensor] = []
             for m in range(cfg.microbatches):
                 xm, ym = x[m * mb : (m + 1) * mb], y[m * mb : (m + 1) * mb]
@@ -439,6 +450,8 @@ class _Rank:
                     with self.c.phase("forward"):
                         if delay and m == 0:
                             time.sleep(delay)  # a slow device: more time in the rank's own compute
+                        if frozen and m == 0:
+                            _freeze(frozen)
                         if factor > 1.0 and m == 0:
                             self.extra.run(factor)  # type: ignore[union-attr]  # on CUDA: enqueued, no wait
                         if first:

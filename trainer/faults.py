@@ -29,6 +29,7 @@ class FaultKind(StrEnum):
     SLOW_LINK = "slow_link"
     NUDGE = "nudge"
     GPU_SLOW = "gpu_slow"
+    FREEZE = "freeze"
 
 
 class FlipTarget(StrEnum):
@@ -174,7 +175,19 @@ class GpuSlow:
     until_step: int | None = None
 
 
-Fault = Slow | Exit | Kill | Hang | BitFlip | SkewRng | SkewData | Throttle | BadDevice | SlowLink | Nudge | GpuSlow
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Freeze:
+    """The whole rank process is stopped (SIGSTOP: every thread, heartbeats too) for `seconds` in the forward phase
+    of `step`, then continued (SIGCONT, from a helper process started just before): a transient hang that recovers.
+    Peers wait in their next collective with it; the run goes on (keep the process-group timeout above `seconds`)."""
+
+    rank: int
+    step: int
+    seconds: float
+
+
+Fault = (Slow | Exit | Kill | Hang | BitFlip | SkewRng | SkewData | Throttle | BadDevice | SlowLink | Nudge | GpuSlow
+         | Freeze)
 
 THROTTLE_REASONS: dict[str, ThrottleReason] = {
     "thermal": ThrottleReason.HW_THERMAL_SLOWDOWN,
@@ -214,6 +227,7 @@ _KINDS: dict[FaultKind, tuple[type, dict[str, str]]] = {
     FaultKind.SLOW_LINK: (SlowLink, {"hosts": "hosts", "from": "from_step", "delay": "delay_s", "until": "until_step"}),
     FaultKind.NUDGE: (Nudge, {"param": "param", "index": "index"}),
     FaultKind.GPU_SLOW: (GpuSlow, {"rank": "rank", "from": "from_step", "factor": "factor", "until": "until_step"}),
+    FaultKind.FREEZE: (Freeze, {"rank": "rank", "step": "step", "seconds": "seconds"}),
 }
 _KIND_OF: dict[type, FaultKind] = {cls: kind for kind, (cls, _) in _KINDS.items()}
 
@@ -291,6 +305,8 @@ def _check_values(fault: Fault) -> None:
         raise ValueError(f"fault bitflip: bit must be in 0..63, got {fault.bit}")
     if isinstance(fault, Slow) and fault.period is not None and fault.period < 1:
         raise ValueError("fault slow: period must be >= 1")
+    if isinstance(fault, Freeze) and not 0.0 < fault.seconds <= 3600.0:
+        raise ValueError(f"fault freeze: seconds must be in (0, 3600], got {fault.seconds}")
     if isinstance(fault, GpuSlow) and not 1.0 <= fault.factor <= GPU_SLOW_MAX_FACTOR:
         raise ValueError(f"fault gpu_slow: factor must be in 1..{GPU_SLOW_MAX_FACTOR:g} (1 = no extra work), "
                          f"got {fault.factor}")
@@ -416,6 +432,9 @@ class Faults:
     def gpu_slow(self, *, rank: int, from_step: int = 0, factor: float, until_step: int | None = None) -> Faults:
         return self.add(GpuSlow(rank=rank, from_step=from_step, factor=factor, until_step=until_step))
 
+    def freeze(self, *, rank: int, step: int, seconds: float) -> Faults:
+        return self.add(Freeze(rank=rank, step=step, seconds=seconds))
+
     # -- questions the trainer asks -------------------------------------------------------------------
     def _of(self, cls: type, rank: int) -> list[Any]:
         return [f for f in self.faults if isinstance(f, cls) and getattr(f, "rank", None) == rank]
@@ -448,6 +467,10 @@ class Faults:
 
     def kill_at(self, rank: int, step: int) -> Kill | None:
         return next((f for f in self._of(Kill, rank) if f.step == step), None)
+
+    def freeze_s(self, rank: int, step: int) -> float:
+        """Seconds the rank's process is stopped at `step` (`freeze`); 0.0 for none."""
+        return sum(f.seconds for f in self._of(Freeze, rank) if f.step == step)
 
     def hang_at(self, rank: int, step: int) -> bool:
         return any(f.step == step for f in self._of(Hang, rank))

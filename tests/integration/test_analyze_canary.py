@@ -113,3 +113,10 @@ def test_window_analysis_of_a_clean_tail(tmp_path: Path) -> None:
     run_dir = _run(tmp_path, Faults().slow(rank=2, from_step=30, delay_s=0.1, until_step=50))
     assert [i.klass for i in analyze(run_dir, config=AnalysisConfig(window_steps=20)).incidents] == []
     assert [i.klass for i in _incidents(run_dir)] == [IncidentClass.STRAGGLER]
+
+
+def test_a_rank_frozen_for_seconds_that_carried_on_is_a_transient_hang(tmp_path: Path) -> None:
+    # SIGSTOP for 4 s (every thread, heartbeats too), then SIGCONT: its peers wait 4 s in a collective, the run ends
+    inc = _one(_incidents(_run(tmp_path, Faults().freeze(rank=2, step=30, seconds=4.0))), IncidentClass.HANG)
+    assert inc.ranks == (2,) and inc.cause is Cause.TRANSIENT_STALL and inc.onset_step == 30
+    assert "carried on" in inc.summary

@@ -16,6 +16,7 @@ from rankwatch.trainer.faults import (
     BitFlip,
     Exit,
     Fault,
+    Freeze,
     FaultKind,
     Faults,
     FlipTarget,
@@ -65,6 +66,7 @@ FULL: dict[FaultKind, tuple[str, Fault]] = {
     FaultKind.NUDGE: ("nudge:param=2,index=7", Nudge(param=2, index=7)),
     FaultKind.GPU_SLOW: ("gpu_slow:rank=1,from=20,factor=1.5,until=60",
                          GpuSlow(rank=1, from_step=20, factor=1.5, until_step=60)),
+    FaultKind.FREEZE: ("freeze:rank=2,step=30,seconds=4.0", Freeze(rank=2, step=30, seconds=4.0)),
 }
 
 # The shortest valid spec per kind, and what it parses to (defaults filled in).
@@ -81,6 +83,7 @@ MINIMAL: dict[FaultKind, tuple[str, Fault]] = {
     FaultKind.SLOW_LINK: ("slow_link:hosts=1-0,delay=0.1", SlowLink(host_a=1, host_b=0, delay_s=0.1)),
     FaultKind.NUDGE: ("nudge:", Nudge()),
     FaultKind.GPU_SLOW: ("gpu_slow:rank=0,factor=2", GpuSlow(rank=0, factor=2.0)),
+    FaultKind.FREEZE: ("freeze:rank=0,step=1,seconds=1", Freeze(rank=0, step=1, seconds=1.0)),
 }
 
 
@@ -255,6 +258,7 @@ def test_every_builder_adds_its_fault() -> None:
         .slow_link(hosts=(0, 1), from_step=2, delay_s=0.1, until_step=8)
         .nudge(param=2, index=7)
         .gpu_slow(rank=1, from_step=20, factor=1.5, until_step=60)
+        .freeze(rank=2, step=30, seconds=4.0)
     )
     assert f.faults == tuple(fault for _, fault in FULL.values())
 
@@ -486,3 +490,14 @@ def test_cpu_fallback_adds_time_proportional_to_the_factor() -> None:
             assert 0.5 * (factor - 1) < added < 2.0 * (factor - 1), (factor, best)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_freeze_parses_round_trips_and_is_validated() -> None:
+    f = parse_fault("freeze:rank=1,step=3,seconds=2.5")
+    assert f == Freeze(rank=1, step=3, seconds=2.5) and parse_fault(fault_spec(f)) == f
+    assert Faults().freeze(rank=1, step=3, seconds=2.5).freeze_s(1, 3) == 2.5
+    assert Faults().freeze(rank=1, step=3, seconds=2.5).freeze_s(1, 4) == 0.0
+    with pytest.raises(ValueError, match="freeze: seconds"):
+        parse_fault("freeze:rank=1,step=3,seconds=0")
+    with pytest.raises(ValueError, match="missing seconds="):
+        parse_fault("freeze:rank=1,step=3")
