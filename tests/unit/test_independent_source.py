@@ -1,0 +1,152 @@
+"""The independent labeled-telemetry source (benchmarks/independent): valid runs, consistent labels, determinism,
+disjoint seed splits and the physics a real collector would record."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rankwatch.analytics.store import check_run
+from rankwatch.collector.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, storage_schema
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from independent import HELDOUT_SEEDS, TUNE_SEEDS, Scenario, generate, scenarios  # noqa: E402
+from independent import phenomena  # noqa: E402
+from independent.noise import healthy  # noqa: E402
+from independent.tables import Builder  # noqa: E402
+from independent.timeline import simulate  # noqa: E402
+from independent.world import World  # noqa: E402
+
+sys.path.remove(str(ROOT / "benchmarks"))
+
+CLASSES = {"straggler", "fail_stop", "hang", "divergence", "corruption", "imbalance"}
+KINDS = {"rank", "device", "host", "link", "stage", "replica", "domain", "job"}
+SMALL_KINDS = ["clean", "failstop_vanished", "failstop_exception", "failstop_launcher_kill", "hang_collective",
+               "hang_step", "transient_freeze", "device_sbe_rising", "div_rng", "straggler_dataloader_host"]
+
+
+def _small(kind: str, timing: str, seed: int = 123_456) -> Scenario:
+    return Scenario(name=f"t-{kind}-{timing}", seed=seed, kind=kind, dp=4, tp=2, pp=2, steps=60, timing=timing)
+
+
+def _arrow(run: Path, table: Table) -> pa.Table:
+    parts = sorted((run / "telemetry" / str(table)).glob("rank=*/part-*.parquet"))
+    return pa.concat_tables([pq.read_table(p) for p in parts])
+
+
+def _read(run: Path, table: Table) -> dict[str, np.ndarray]:
+    t = _arrow(run, table)
+    return {c: t.column(c).to_numpy(zero_copy_only=False) for c in t.column_names}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("timing", ["cpu", "gpu"])
+@pytest.mark.parametrize("kind", SMALL_KINDS)
+def test_runs_are_readable_typed_and_labeled(tmp_path: Path, kind: str, timing: str) -> None:
+    run = generate(_small(kind, timing), tmp_path, timing)
+    check_run(run)  # raises on damage
+    for table in Table:
+        for part in (run / "telemetry" / str(table)).glob("rank=*/part-*.parquet"):
+            schema = pq.read_schema(part)
+            expected = storage_schema(table)
+            assert [(f.name, f.type) for f in schema] == [(f.name, f.type) for f in expected], part
+            assert schema.metadata[SCHEMA_VERSION_KEY] == str(SCHEMA_VERSION).encode()
+    labels = json.loads((run / "labels.json").read_text())
+    assert labels["version"] == 1 and labels["ranks"] == 16 and labels["layout"] == "dp=4,tp=2,pp=2"
+    assert (labels["expected"] == []) == (kind == "clean")
+    for lab in labels["expected"]:
+        assert lab["class"] in CLASSES and lab["subject_kind"] in KINDS
+        assert lab["ranks"] and all(0 <= r < 16 for r in lab["ranks"])
+        assert 0 <= lab["onset_step"] < labels["steps"]
+        if lab["subject_kind"] == "rank":
+            assert lab["ranks"] == [int(lab["subject"])]
+        if lab["subject_kind"] == "link":
+            a, b = lab["subject"].split("<->")
+            assert a < b
+        if lab.get("device_fault"):
+            assert lab["device"].startswith("GPU-")
+
+
+@pytest.mark.timeout(60)
+def test_generation_is_deterministic(tmp_path: Path) -> None:
+    sc = _small("straggler_intermittent", "cpu", seed=777)
+    a = generate(sc, tmp_path / "a")
+    b = generate(sc, tmp_path / "b")
+    for table in (Table.STEPS, Table.COLLECTIVES, Table.EVENTS, Table.GPU, Table.FINGERPRINTS):
+        assert _arrow(a, table).equals(_arrow(b, table)), table
+    assert (a / "labels.json").read_text() == (b / "labels.json").read_text()
+
+
+@pytest.mark.timeout(30)
+def test_suite_splits_and_coverage() -> None:
+    assert not set(TUNE_SEEDS) & set(HELDOUT_SEEDS)
+    for timing in ("cpu", "gpu"):
+        tune, held = scenarios("tune", timing), scenarios("heldout", timing)
+        assert {s.seed for s in tune} <= set(TUNE_SEEDS) and {s.seed for s in held} <= set(HELDOUT_SEEDS)
+        for split in (tune, held):
+            assert len(split) >= 100 and len({s.name for s in split}) == len(split)
+            kinds = [s.kind for s in split]
+            assert all(kinds.count(k) >= 4 for k in phenomena.KINDS) and kinds.count("clean") >= 12
+            assert all(64 <= s.ranks <= 2048 for s in split)
+            assert sum(s.ranks >= 1024 for s in split) >= 3
+            assert sum(s.ranks <= 256 for s in split) >= 0.8 * len(split)
+    assert [s.dp for s in scenarios("tune", "cpu")] != [s.dp for s in scenarios("heldout", "cpu")]
+    with pytest.raises(ValueError):
+        scenarios("train", "cpu")
+
+
+def _slow_run(tmp_path: Path, timing: str) -> tuple[Path, int]:
+    """A run with rank 5 50 % slower from step 10 (device work), built below the phenomena layer."""
+    world = World(4, 2, 2, 99)
+    rng = np.random.default_rng(5)
+    draw = healthy(world, 40, timing, rng)
+    draw.plan.work[10:, 5] *= 1.5
+    sim = simulate(draw.plan, np.random.default_rng(6))
+    from independent.tables import write_tables
+
+    run = tmp_path / timing
+    write_tables(str(run), Builder(draw, sim, 99, np.random.default_rng(7)).build())
+    return run, 5
+
+
+@pytest.mark.timeout(60)
+def test_late_rank_spends_least_time_inside_blocking_collectives(tmp_path: Path) -> None:
+    run, x = _slow_run(tmp_path, "cpu")
+    c = _read(run, Table.COLLECTIVES)
+    mine = (c["rank"] == x) & (c["step"] >= 12) & (c["op"] == "all_reduce") & (c["status"] == "ok")
+    checked = 0
+    for g, s in set(zip(c["group"][mine].tolist(), c["group_seq"][mine].tolist())):
+        same = (c["group"] == g) & (c["group_seq"] == s) & (c["status"] == "ok")
+        if g == "world":
+            continue
+        d = dict(zip(c["rank"][same].tolist(), c["duration_ns"][same].tolist()))
+        if g.startswith("tp") or g.startswith("dp"):
+            assert d[x] == min(d.values()), (g, s, d)
+            checked += 1
+    assert checked > 20
+
+
+@pytest.mark.timeout(60)
+def test_gpu_step_times_agree_while_device_compute_shows_the_slow_device(tmp_path: Path) -> None:
+    run, x = _slow_run(tmp_path, "gpu")
+    st = _read(run, Table.STEPS)
+    late = st["step"] >= 12
+    for s in range(12, 40):
+        m = st["step"] == s
+        dur = st["duration_ns"][m]
+        assert dur.max() - dur.min() < 2_000_000  # 2 ms of sync jitter on steps of ~1 s
+    dev = st["device_compute_ns"]
+    mine = np.median(dev[late & (st["rank"] == x)])
+    others = np.median(dev[late & (st["rank"] != x)])
+    assert mine > 1.3 * others
+    cpu = st["compute_ns"]
+    assert abs(np.median(cpu[late & (st["rank"] == x)]) / np.median(cpu[late & (st["rank"] != x)]) - 1) < 0.01
+    c = _read(run, Table.COLLECTIVES)
+    assert np.nanmax(c["duration_ns"].astype(float)) < 1e6  # CPU side of a CUDA collective: launch latency
