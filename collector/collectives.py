@@ -167,20 +167,28 @@ def _payload(tensors: list[torch.Tensor] | None) -> tuple[int, torch.dtype | Non
 
 class _Open:
     """One collective: the context manager `Collector.collective` returns, and its record. A plain slots class,
-    built per collective.
+    taken from its tracker's pool (`CollectiveTracker._pool`) and handed back by the writer once its row and its
+    step's row are built: records live as long as the job, so the garbage collector's young collections neither
+    count nor walk one per collective.
 
     The hot path only stamps it: entering numbers it, appends it to the step in progress (`StepRecord.ops`) and
     reads the monotonic clock; exiting reads the clock again. Rows are built from it later on the writer thread
     (`CollectiveTracker.drain`), wall-clock times derived from the step's wall - monotonic offset. Until it
     exits, the writer sees it as in flight. Outside a step it is kept in the tracker's open set instead and
     written when it exits. Neither entering nor exiting raises into the caller: an internal error is counted,
-    and an operation whose entry failed records nothing."""
+    and an operation whose entry failed records nothing.
+
+    Reuse rules (`CollectiveTracker._retire`): an operation goes back to the pool only after its own row and its
+    step's row are built; one that failed (its error text, the collector's last failed operation) or ran outside
+    a step is never reused. Nothing reads an operation after its exit is visible (`exit_mono` set) except the
+    writer and snapshots taken under the tracker's lock (`oldest_open` copies)."""
 
     __slots__ = (
         "_tracker", "op", "_group_obj", "nbytes", "dtype", "peer", "async_op", "group", "group_seq", "seq",
         "record", "enter_mono", "exit_mono", "wall_offset", "_dev", "dev_start", "dev_end", "dev_ns", "dev_at",
+        "_failed",
     )
-    # set when built (`_make`, or inline in `Collector.collective`)
+    # set when taken from the pool (`_take`, or inline in `Collector.collective`); `_tracker` once, when allocated
     _tracker: CollectiveTracker
     op: str
     _group_obj: Any
@@ -196,8 +204,9 @@ class _Open:
     group_seq: int
     seq: int
     record: StepRecord | None
-    """The step it was issued in (None outside a step)."""
+    """The step it was issued in (None outside a step, and while in the pool)."""
     enter_mono: int
+    """Unset until entered (deleted again when the record goes back to the pool)."""
     exit_mono: int | None
     """None until it exits."""
     # set on the uncommon paths
@@ -210,6 +219,8 @@ class _Open:
     """Device ns between the marks, once resolved."""
     dev_at: int | None
     """Device ns from the step's start mark to the entry mark, once resolved (None outside a step)."""
+    _failed: bool
+    """It exited with an error (set before the exit is visible): never reused."""
 
     def __enter__(self) -> GroupInfo | None:
         t = self._tracker
@@ -245,27 +256,78 @@ class _Open:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if self._dev:  # before the clock read: the writer sees the end mark once it sees `exit_mono`
             self._tracker._end_mark(self, exc)
+        if exc is not None:
+            self._tracker._exit_failed(self, exc)
+            return
+        record = self.record  # read before the exit is visible: from then on the writer may reuse the record
         self.exit_mono = _mono()
-        if exc is not None or self.record is None:
-            self._tracker._exit_slow(self, exc)
+        if record is None:
+            self._tracker._exit_loose(self)
+
+    def _future_done(self, f: torch.futures.Future[Any]) -> torch.Tensor:
+        """The DDP hook's callback on the bucket's future (a bound method: no closure per bucket)."""
+        try:
+            value = f.value()
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, None)
+            raise
+        # never raises; on CUDA this callback runs on streams synchronized with the bucket's all-reduce, so the exit
+        # mark completes after the collective on NCCL's stream
+        self.__exit__(None, None, None)
+        return value[0] if isinstance(value, list) else value
 
     @property
     def step(self) -> int:
         return self.record.step if self.record is not None else -1
 
+    def _copy(self) -> _Open:
+        """A detached copy of an entered operation (for snapshots that outlive the tracker's lock)."""
+        c: _Open = _alloc(_Open)
+        for name in _COPIED:
+            try:
+                setattr(c, name, getattr(self, name))
+            except AttributeError:
+                pass
+        return c
+
 
 _alloc = object.__new__
+_COPIED = tuple(n for n in _Open.__slots__ if n != "_tracker")
+_POOL_MAX = 1 << 16
+"""Records a tracker keeps for reuse at most (more in flight at once, e.g. a burst between two flushes, are
+allocated and left to the garbage collector)."""
 
 
 def _entry_order(o: _Open) -> int:
     return o.enter_mono
 
 
-def _make(tracker: CollectiveTracker, op: str, group: Any, tensor: Any, peer: int | None, async_op: bool) -> _Open:
-    """A new, not yet entered operation (built without an `__init__` call: `Collector.collective` does the same
-    inline, once per collective)."""
+def _unwrap(f: torch.futures.Future[Any]) -> torch.Tensor:
+    """The DDP hook's callback when the bucket is not timed (entering failed)."""
+    value = f.value()
+    return value[0] if isinstance(value, list) else value
+
+
+def _new(tracker: CollectiveTracker) -> _Open:
+    """A record for the pool (built without an `__init__` call)."""
     o: _Open = _alloc(_Open)
-    o._tracker, o.op, o._group_obj, o.peer, o.async_op = tracker, op, group, peer, async_op
+    o._tracker = tracker
+    o.record = None
+    o._failed = False
+    return o
+
+
+def _make(tracker: CollectiveTracker, op: str, group: Any, tensor: Any, peer: int | None, async_op: bool) -> _Open:
+    """A not yet entered operation, from the pool (`Collector.collective` does the same inline for a plain tensor)."""
+    pool = tracker._pool
+    if pool:
+        try:
+            o = pool.pop()
+        except IndexError:  # another thread took the last one
+            o = _new(tracker)
+    else:
+        o = _new(tracker)
+    o.op, o._group_obj, o.peer, o.async_op = op, group, peer, async_op
     mode = tracker._dev_mode
     if isinstance(tensor, _Tensor):
         o.nbytes, o.dtype = tensor.nbytes, tensor.dtype
@@ -312,6 +374,12 @@ class CollectiveTracker:
         self._late: list[_Open] = []
         """Operations of finished steps (or outside steps) that had not exited, or whose device marks had not
         completed, when the writer came to them: retried at every drain."""
+        self._orphans: list[_Open] = []
+        """Device-timed operations of dropped steps that had not exited: their exit may still take an end mark,
+        returned to the pool once they exit (no row)."""
+        self._pool: list[_Open] = []
+        """Records for reuse: popped by the hot path (any thread; atomic under the GIL), handed back by the writer
+        (`_retire`)."""
         self._resolve_ns = int(device_resolve_s * 1e9)
         self._timer: DeviceTimer | None = None
         self._dev_mode = 0
@@ -405,25 +473,38 @@ class CollectiveTracker:
         except Exception as internal:
             self._on_internal("collective.device_mark", internal)
 
-    def _exit_slow(self, o: _Open, exc: BaseException | None) -> None:
-        """The uncommon exits: a failed operation (error recorded, then the error callback), one outside a step
-        (written now, or by `drain` once its device marks resolved). Never raises."""
+    def _exit_failed(self, o: _Open, exc: BaseException) -> None:
+        """A failed operation's exit: its error is recorded before its exit is visible to the writer (so its row is
+        an error row, and the record is never reused), then it is left as any other, and the error callback runs.
+        Never raises."""
+        end = _mono()
+        try:
+            if not hasattr(o, "enter_mono"):  # entering failed: nothing to record
+                o.exit_mono = end
+                return
+            o._failed = True
+            with self._lock:
+                self._errors[o] = f"{type(exc).__name__}: {exc}"[:500]
+            o.exit_mono = end
+            if o.record is None:
+                self._exit_loose(o)
+            self._on_error(exc, o)
+        except Exception as internal:
+            self._on_internal("collective.exit", internal)
+
+    def _exit_loose(self, o: _Open) -> None:
+        """Leaving an operation outside a step: it leaves the open set and its row is written now (or by `drain`,
+        once its device marks resolved). Never raises."""
         try:
             if not hasattr(o, "enter_mono"):  # entering failed: nothing to record
                 return
-            if exc is not None:
-                with self._lock:
-                    self._errors[o] = f"{type(exc).__name__}: {exc}"[:500]
-            if o.record is None:  # outside a step: leave the open set, and write the row now
-                pending_device = o._dev == 1
-                with self._lock:
-                    self._live.discard(o)
-                    if pending_device:
-                        self._late.append(o)  # written by `drain` once its marks resolved
-                if not pending_device:
-                    self._append_row(self._final_row(o))  # outside the lock: a sink may take its own
-            if exc is not None:
-                self._on_error(exc, o)
+            pending_device = o._dev == 1
+            with self._lock:
+                self._live.discard(o)
+                if pending_device:
+                    self._late.append(o)  # written by `drain` once its marks resolved
+            if not pending_device:
+                self._append_row(self._final_row(o))  # outside the lock: a sink may take its own
         except Exception as internal:
             self._on_internal("collective.exit", internal)
 
@@ -454,6 +535,61 @@ class CollectiveTracker:
                 self._errors.pop(o, None)
         return row
 
+    def _retire(self, ops: Iterable[_Open]) -> None:
+        """Operations whose rows, and their steps' rows, are built (writer thread): device marks still held go back
+        to the timer's pool (an end mark taken by an exit racing the writer's give-up), and the records to this
+        tracker's pool, except failed ones and ones outside a step (see `_Open`)."""
+        pool = self._pool
+        timer = self._timer
+        back: list[_Open] = []
+        for o in ops:
+            if o._dev and timer is not None and (o.dev_start is not None or o.dev_end is not None):
+                timer.release(o.dev_start, o.dev_end)
+                o.dev_start = o.dev_end = None
+            if o.record is None or o._failed or not hasattr(o, "enter_mono"):
+                continue
+            o.record = o._group_obj = None  # no step (its tensors) or group kept alive by the pool
+            del o.enter_mono  # "not entered" again, for the writer and snapshots
+            back.append(o)
+        room = _POOL_MAX - len(pool)
+        if room > 0 and back:
+            with self._lock:  # snapshots copy open operations under it: none is reused meanwhile
+                pool += back[:room]
+
+    def abandon(self, ops: Iterable[_Open]) -> None:
+        """A dropped step's operations (training thread, the writer fell behind): device marks go back to the pool
+        unresolved, those of operations still open once they exit. Their records are not reused."""
+        timer = self._timer
+        if timer is None:
+            return
+        open_ops: list[_Open] = []
+        for o in ops:
+            if o._dev == 1:
+                o._dev = -1
+                timer.release(o.dev_start, o.dev_end)
+                o.dev_start = o.dev_end = None
+                if o.exit_mono is None:
+                    open_ops.append(o)
+        if open_ops:
+            with self._lock:
+                self._orphans += open_ops
+
+    def _release_orphans(self) -> None:
+        """Writer thread: end marks that exits of dropped steps' operations took after `abandon`."""
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+        timer = self._timer
+        still: list[_Open] = []
+        for o in orphans:
+            if o.exit_mono is None:
+                still.append(o)
+            elif timer is not None:
+                timer.release(o.dev_start, o.dev_end)
+                o.dev_start = o.dev_end = None
+        if still:
+            with self._lock:
+                self._orphans += still
+
     def settle_op(self, o: _Open, expired: bool) -> bool:
         """Resolve `o`'s device marks if they completed (writer thread; never waits): True once its device columns
         are final, values or nulls, and its marks are back in the pool. `expired`: give up on what has not
@@ -465,7 +601,7 @@ class CollectiveTracker:
         if o.exit_mono is None:
             if not expired:
                 return False
-            o._dev = -1  # an exit racing this still records its end mark: that one mark is not returned
+            o._dev = -1  # an exit racing this may still take its end mark: `_retire` returns it
             timer.release(o.dev_start)
             o.dev_start = None
             return True
@@ -498,8 +634,12 @@ class CollectiveTracker:
         with self._lock:
             late, self._late = self._late, []
         keep: list[_Open] = []
+        written: list[_Open] = []
+        """Rows built and steps' rows built (the caller built those of `done`): back to the pool at the end."""
         for record in done:
-            late.extend(record.ops[record.written :])
+            ops, n = record.ops, record.written
+            written += ops[:n]  # written while their step ran
+            late += ops[n:]
         now, bound = _mono(), self._resolve_ns
         for o in late:
             if not hasattr(o, "enter_mono"):
@@ -509,6 +649,7 @@ class CollectiveTracker:
                 keep.append(o)
                 continue
             rows.append(self._final_row(o))
+            written.append(o)
         if current is not None:
             ops, i = current.ops, current.written
             n = len(ops)
@@ -525,6 +666,10 @@ class CollectiveTracker:
         if keep:
             with self._lock:
                 self._late[:0] = keep
+        if self._orphans:
+            self._release_orphans()
+        if written:
+            self._retire(written)
         return rows
 
     # -- DDP ------------------------------------------------------------------------------------------
@@ -564,21 +709,7 @@ class CollectiveTracker:
                 if o is not None:
                     o.__exit__(type(exc), exc, None)
                 raise
-
-            def done(f: torch.futures.Future[Any]) -> torch.Tensor:
-                try:
-                    value = f.value()
-                except BaseException as exc:
-                    if o is not None:
-                        o.__exit__(type(exc), exc, None)
-                    raise
-                if o is not None:
-                    # never raises; on CUDA this callback runs on streams synchronized with the bucket's all-reduce,
-                    # so the exit mark completes after the collective on NCCL's stream
-                    o.__exit__(None, None, None)
-                return value[0] if isinstance(value, list) else value
-
-            return fut.then(done)
+            return fut.then(_unwrap if o is None else o._future_done)
 
         # DDP checks these annotations at registration; under postponed evaluation they would be strings
         hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
@@ -586,20 +717,23 @@ class CollectiveTracker:
 
     # -- state for the writer and heartbeats ---------------------------------------------------------
     def _open_now(self) -> list[_Open]:
-        """Operations entered and not exited (a copy: other threads add and remove them meanwhile)."""
-        with self._lock:
-            candidates = list(self._live) + self._late
+        """Operations entered and not exited (a copy: other threads add and remove them meanwhile). Call with the
+        lock held: the writer hands records back to the pool under it, so none of these is reused meanwhile."""
+        candidates = list(self._live) + self._late
         current = self.current
         if current is not None:
             candidates += current.ops[current.written :]
         return [o for o in candidates if hasattr(o, "enter_mono") and o.exit_mono is None]
 
     def in_flight_rows(self) -> Iterable[tuple[Table, Row]]:
-        now = _mono()
-        for o in sorted(self._open_now(), key=_entry_order):
-            if now - o.enter_mono >= self._inflight_after_ns:
-                yield Table.COLLECTIVES, self._row(o)
+        now, after = _mono(), self._inflight_after_ns
+        with self._lock:
+            rows = [self._row(o) for o in sorted(self._open_now(), key=_entry_order) if now - o.enter_mono >= after]
+        for row in rows:
+            yield Table.COLLECTIVES, row
 
     def oldest_open(self) -> _Open | None:
-        opened = self._open_now()
-        return min(opened, key=_entry_order) if opened else None
+        """The operation open the longest, as a copy (the caller reads it after the record may be reused)."""
+        with self._lock:
+            opened = self._open_now()
+            return min(opened, key=_entry_order)._copy() if opened else None

@@ -47,7 +47,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from rankwatch.collector.collectives import CollectiveTracker, GroupInfo, StepRecord, _alloc, _make, _Open, _Tensor
+from rankwatch.collector.collectives import CollectiveTracker, GroupInfo, StepRecord, _alloc, _make, _new, _Open, _Tensor
 from rankwatch.collector.device import CudaDeviceTimer, DeviceTimer, Mark
 from rankwatch.collector.fingerprint import fingerprint
 from rankwatch.collector.gpu import GpuMonitor, GpuSample, GpuSampler
@@ -568,11 +568,7 @@ class Collector:
         self._release_phases(record)
         timer.release(record.dev_start, record.dev_end)
         record.dev_start = record.dev_end = None
-        for o in record.ops:
-            if o._dev == 1:
-                o._dev = -1
-                timer.release(o.dev_start, o.dev_end)
-                o.dev_start = o.dev_end = None
+        self.tracker.abandon(record.ops)
 
     def _pair(self, a: Mark | None, b: Mark | None, expired: bool) -> tuple[bool, int | None]:
         """(final, device ns) of two marks; releases them once final. Not final while pending and not `expired`."""
@@ -733,8 +729,15 @@ class Collector:
         t = self.tracker
         if type(tensor) is not _Tensor:  # a list, None, a Tensor subclass: the general path
             return _make(t, op, group, tensor, peer, False)
-        o: _Open = _alloc(_Open)  # `collectives._make` for a plain tensor, inlined: this runs per collective
-        o._tracker, o.op, o._group_obj, o.peer, o.async_op = t, op, group, peer, False
+        pool = t._pool  # `collectives._make` for a plain tensor, inlined: this runs per collective
+        if pool:
+            try:
+                o = pool.pop()
+            except IndexError:  # another thread took the last one
+                o = _new(t)
+        else:
+            o = _new(t)
+        o.op, o._group_obj, o.peer, o.async_op = op, group, peer, False
         mode = t._dev_mode
         o.nbytes, o.dtype, o._dev = tensor.nbytes, tensor.dtype, mode and (mode == 2 or tensor.is_cuda)
         return o
