@@ -212,7 +212,8 @@ def _ops_of(draw: Draw) -> list[str]:
         keys += ["tp_fwd", "tp_bwd"]
     if w.dp > 1:
         keys.append("dp_grad")
-    keys.append("world_loss")
+    if w.tp * w.pp > 1:
+        keys.append("mp_norm")
     return keys
 
 

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rankwatch.collector.schema import GROUP_STRUCT, Table, storage_schema
-from rankwatch.collector.sink import partition_dir
+from rankwatch.collector.sink import dictionary_columns, partition_dir
 
 from .noise import Draw
 from .timeline import CKPT_PHASES, PHASES, Sim
@@ -41,6 +41,8 @@ class _Life:
     cut: np.ndarray
     """(N,) rows emitted after this moment were never written (inf: all written)."""
     flushes: list[np.ndarray]
+    first: np.ndarray
+    """(N,) the rank's first periodic flush (then every FLUSH_S)."""
 
 
 def _hex(values: np.ndarray) -> np.ndarray:
@@ -148,7 +150,7 @@ class Builder:
         else:
             for r in range(n):  # the collector's close flushes once more
                 flushes[r] = np.append(flushes[r], end[r])
-        self.life = _Life(start=start, end=end, cut=cut, flushes=flushes)
+        self.life = _Life(start=start, end=end, cut=cut, flushes=flushes, first=start + phase)
 
     def _blocked_ops(self) -> None:
         """Where each rank was left: the first op of the last step it entered and never left."""
@@ -327,10 +329,7 @@ class Builder:
             si, ri = np.nonzero(m)
             enter = self.abs_s(si, op.cpu_enter[si, ri])
             exit_ = self.abs_s(si, op.cpu_exit[si, ri])
-            if op.group[0] == 0 and op.key == "world_loss":
-                gseq = si + np.searchsorted(ck_steps, si, side="left")
-            else:
-                gseq = si * op.per_step[ri] + op.order[ri]
+            gseq = si * op.per_step[ri] + op.order[ri]
             dev = op.exit[si, ri] - op.enter[si, ri]
             dstart = op.enter[si, ri] - dev_start[si, ri]
             parts.append({"oi": np.full(len(si), oi), "s": si, "r": ri, "seq": seq_before[ri], "gseq": gseq,
@@ -342,7 +341,7 @@ class Builder:
             si = np.full(n, s)
             seq = sum(op.member.astype(np.int64) for op in sim.ops)
             parts.append({"oi": np.full(n, len(sim.ops)), "s": si, "r": ri, "seq": seq,
-                          "gseq": s + np.searchsorted(ck_steps, s, side="left") + 1 + np.zeros(n, dtype=np.int64),
+                          "gseq": np.searchsorted(ck_steps, s, side="left") + np.zeros(n, dtype=np.int64),
                           "group": np.zeros(n, dtype=np.int64), "peer": np.full(n, -1), "bytes": np.zeros(n, dtype=np.int64),
                           "enter": sim.origin[s] + a, "exit": sim.origin[s] + b, "dev": b - a, "dstart": a - dev_start[s]})
         c = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -366,16 +365,7 @@ class Builder:
         if np.isfinite(kill):
             written &= exit_t <= kill
         # in-flight snapshots at each flush of ops open longer than INFLIGHT_S there
-        snap = []
-        long_ = np.where(~np.isfinite(exit_t) | (exit_t - enter > INFLIGHT_S))[0]
-        for i in long_.tolist():
-            f = self.life.flushes[r[i]]
-            hi = min(exit_t[i], self.life.cut[r[i]], kill)
-            at = f[(f >= enter[i] + INFLIGHT_S) & (f < hi + (1e-9 if not np.isfinite(exit_t[i]) else 0))]
-            if not np.isfinite(exit_t[i]):
-                at = at[at <= hi]
-            snap.extend([i] * len(at))
-        snap_i = np.array(snap, dtype=np.int64)
+        snap_i, snap_t = self._snapshots(r, enter, exit_t, kill)
         keep = np.where(written)[0]
         rows = np.concatenate([keep, snap_i])
         st = np.concatenate([status[keep], np.full(len(snap_i), 2, dtype=np.int32)])
@@ -418,6 +408,33 @@ class Builder:
         })
         self.open_ops = (rr, en, np.where(fin, ex, np.inf), c["oi"][rows], c["group"][rows], c["gseq"][rows], st)
         return tbl.take(pa.array(order))
+
+    def _snapshots(self, r: np.ndarray, enter: np.ndarray, exit_t: np.ndarray, kill: float) -> tuple[np.ndarray, np.ndarray]:
+        """(row index, flush time) of every in-flight snapshot: each flush of the rank while the op was open for
+        longer than INFLIGHT_S (periodic flushes, and the close flush of a rank that closed while inside it)."""
+        life = self.life
+        cand = np.where(~np.isfinite(exit_t) | (exit_t - enter > INFLIGHT_S))[0]
+        rc = r[cand]
+        lo = enter[cand] + INFLIGHT_S
+        hi = np.minimum.reduce([exit_t[cand], life.cut[rc], np.full(len(cand), kill), life.end[rc]])
+        first = life.first[rc]
+        k_lo = np.ceil((lo - first) / FLUSH_S)
+        k_hi = np.floor((hi - first) / FLUSH_S)
+        k_hi = np.where(np.isfinite(exit_t[cand]) & np.isclose(first + k_hi * FLUSH_S, exit_t[cand]), k_hi - 1, k_hi)
+        count = np.clip(k_hi - k_lo + 1, 0, None).astype(np.int64)
+        idx = np.repeat(np.arange(len(cand)), count)
+        offs = np.arange(len(idx)) - np.repeat(np.cumsum(count) - count, count)
+        times = first[idx] + (k_lo[idx] + offs) * FLUSH_S
+        rows = cand[idx]
+        fr = self.d.plan.freeze
+        if fr is not None and self.sim.freeze_span is not None:
+            a, b = self.sim.freeze_span
+            keep = ~((r[rows] == fr[0]) & (times > a) & (times < b))
+            rows, times = rows[keep], times[keep]
+        closes = np.isinf(life.cut[rc]) & (life.end[rc] >= lo) & (exit_t[cand] > life.end[rc]) & (life.end[rc] <= kill)
+        rows = np.concatenate([rows, cand[closes]])
+        times = np.concatenate([times, life.end[rc][closes]])
+        return rows.astype(np.int64), times
 
     def _error_text(self, rank: int) -> str:
         e, w = self.d.ending, self.w
@@ -705,7 +722,8 @@ def write_tables(run_dir: str, tables: dict[Table, pa.Table], *, threads: int = 
 
     def write(job: tuple[str, pa.Table]) -> None:
         with pa.OSFile(job[0], "wb") as f:
-            pq.write_table(job[1], f, compression="lz4", write_statistics=False)
+            pq.write_table(job[1], f, compression="lz4", write_statistics=False,
+                           use_dictionary=dictionary_columns(Table(Path(job[0]).parent.parent.name)))
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(write, jobs))

@@ -2,8 +2,9 @@
 
 A step on every rank: wait for the batch, forward (receive activations from the previous stage, compute, a tensor-
 parallel all_reduce, compute, send to the next stage), backward (the same in reverse, then the data-parallel gradient
-all_reduce), optimizer, and a world all_reduce of the loss for logging (the step's end; on CUDA the host waits there for
-its device). Checkpoint steps then snapshot, serialize, write, fsync, meet at a world barrier and rank 0 publishes.
+all_reduce), optimizer (first the gradient-norm all_reduce over the model-parallel group, for clipping: the point where
+the whole job meets, since every replica's ranks wait there for their data-parallel groups), then the step's end (on
+CUDA the host waits there for its device, reading the loss). Checkpoint steps then snapshot, serialize, write, fsync, meet at a world barrier and rank 0 publishes.
 
 A blocking collective (or a send/recv pair) ends for every member when the last member arrived plus the transfer
 time; a member that dies or stops inside it, or before it, leaves its peers inside forever (`inf`). Times are seconds
@@ -189,6 +190,7 @@ def simulate(plan: Plan, rng: np.random.Generator) -> Sim:
                 pp_x[:, r] = 25e-6 + plan.pp_bytes / (plan.inter_bw * f)
         pp_x *= net * xnoise(shape)
     world_x = 30e-6 * np.log2(n) * net[:, 0][:, None] * xnoise((S, 1))
+    mp_x = 20e-6 * np.log2(T * P + 1) * net[:, 0][:, None] * xnoise((S, 1))
 
     ops: dict[str, Op] = {}
     keys_in_order: list[str] = []
@@ -225,7 +227,8 @@ def simulate(plan: Plan, rng: np.random.Generator) -> Sim:
                plan.pp_bytes, pp_per, o_send_b)
     if D > 1:
         new_op("dp_grad", "all_reduce", w.dp_group, none, plan.dp_bytes, 1, 0)
-    new_op("world_loss", "all_reduce", np.zeros(n, dtype=np.int64), none, 8, 1, 0)
+    if T * P > 1:
+        new_op("mp_norm", "all_reduce", w.mp_group, none, 8, 1, 0)
 
     def set_death(where: str, before: np.ndarray, dur: np.ndarray, mine: np.ndarray | None = None) -> None:
         if d is not None and d.where == where and (mine is None or mine[d.rank]):
@@ -341,15 +344,16 @@ def simulate(plan: Plan, rng: np.random.Generator) -> Sim:
         record("dp_grad", t, ex, np.ones(n, bool))
         t = clk.cut(ex)
     b_end = t.copy()
+    if T * P > 1:
+        enter_death("mp_norm", t)
+        ex = group_leave(t, (-3, -1), np.broadcast_to(mp_x, shape))
+        ex = stuck("mp_norm", ex)
+        record("mp_norm", t, ex, np.ones(n, bool))
+        t = clk.cut(ex)
     t = advance(t, wo, "optimizer")
     o_end = t.copy()
-    enter_death("world_loss", t)
-    ex = group_leave(t, (-3, -2, -1), np.broadcast_to(world_x, shape))
-    ex = stuck("world_loss", ex)
-    record("world_loss", t, ex, np.ones(n, bool))
-    lane_end = ex.copy()
+    lane_end = clk.cut(o_end + 0.1e-3 + _jitter(rng, shape, 20e-6))  # reading the loss (the host's sync point)
 
-    # forward ends: a rank's forward ends at its send_fwd exit (stages < last) or where the wave left it (last)
     # (the wave left every rank at its forward's end: the send's exit, or its own compute on the last stage;
     # waiting for the gradients of the next stage belongs to backward)
     phase_lane["forward"] = (f_start, f_end_last)
@@ -368,7 +372,7 @@ def simulate(plan: Plan, rng: np.random.Generator) -> Sim:
         enq = {"forward": 4e-3, "backward": 7e-3, "optimizer": 1.5e-3, "metrics": 0.2e-3}
         by_phase = {"forward": ["recv_fwd", "tp_fwd", "send_fwd"],
                     "backward": ["recv_bwd", "tp_bwd", "send_bwd", "dp_grad"],
-                    "optimizer": [], "metrics": ["world_loss"]}
+                    "optimizer": ["mp_norm"], "metrics": []}
         # the host stops where its rank died or hung; peers keep enqueueing and wait at the step's end
         host_death = clk.death.copy()
         c = start + dl

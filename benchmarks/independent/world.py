@@ -51,10 +51,12 @@ class World:
     uuids: tuple[str, ...] = field(init=False)
     pci_ids: tuple[str, ...] = field(init=False)
     groups: tuple[Group, ...] = field(init=False)
-    """world first, then every dp, tp and pp group (dp groups are also the consistency domains)."""
+    """world first, then every dp, tp, pp and model-parallel group (dp groups are also the consistency domains)."""
     dp_group: np.ndarray = field(init=False)
     tp_group: np.ndarray = field(init=False)
     pp_group: np.ndarray = field(init=False)
+    mp_group: np.ndarray = field(init=False)
+    """(N,) the rank's model-parallel group (every tp and pp rank of its replica; -1 when tp = pp = 1)."""
 
     def __post_init__(self) -> None:
         if self.tp > RANKS_PER_HOST or RANKS_PER_HOST % self.tp:
@@ -101,7 +103,14 @@ class World:
                 members = tuple(self.rank_of(p, d, t) for p in range(self.pp))
                 pp_g[list(members)] = len(groups)
                 groups.append(Group(f"pp.dp{d}.tp{t}", GroupKind.PP, members, tuple(host[m] for m in members)))
+        mp_g = np.full(self.n, -1, dtype=np.int64)
+        if self.tp * self.pp > 1:
+            for d in range(self.dp):
+                members = tuple(self.rank_of(p, d, t) for p in range(self.pp) for t in range(self.tp))
+                mp_g[list(members)] = len(groups)
+                groups.append(Group(f"mp.dp{d}", GroupKind.OTHER, members, tuple(host[m] for m in members)))
         set_ = object.__setattr__
+        set_(self, "mp_group", mp_g)
         set_(self, "groups", tuple(groups))
         set_(self, "dp_group", dp_g)
         set_(self, "tp_group", tp_g)

@@ -124,10 +124,8 @@ def test_late_rank_spends_least_time_inside_blocking_collectives(tmp_path: Path)
     checked = 0
     for g, s in set(zip(c["group"][mine].tolist(), c["group_seq"][mine].tolist())):
         same = (c["group"] == g) & (c["group_seq"] == s) & (c["status"] == "ok")
-        if g == "world":
-            continue
         d = dict(zip(c["rank"][same].tolist(), c["duration_ns"][same].tolist()))
-        if g.startswith("tp") or g.startswith("dp"):
+        if not g.startswith("mp"):  # (its own optimizer comes after the model-parallel norm)
             assert d[x] == min(d.values()), (g, s, d)
             checked += 1
     assert checked > 20
@@ -138,15 +136,14 @@ def test_gpu_step_times_agree_while_device_compute_shows_the_slow_device(tmp_pat
     run, x = _slow_run(tmp_path, "gpu")
     st = _read(run, Table.STEPS)
     late = st["step"] >= 12
-    for s in range(12, 40):
-        m = st["step"] == s
-        dur = st["duration_ns"][m]
-        assert dur.max() - dur.min() < 2_000_000  # 2 ms of sync jitter on steps of ~1 s
+    for s in range(12, 40):  # every host waits for the same step end; only the optimizer's tail after it differs
+        dur = st["duration_ns"][st["step"] == s]
+        assert dur.max() - dur.min() < 0.05 * np.median(dur)
     dev = st["device_compute_ns"]
     mine = np.median(dev[late & (st["rank"] == x)])
     others = np.median(dev[late & (st["rank"] != x)])
     assert mine > 1.3 * others
     cpu = st["compute_ns"]
-    assert abs(np.median(cpu[late & (st["rank"] == x)]) / np.median(cpu[late & (st["rank"] != x)]) - 1) < 0.01
+    assert abs(np.median(cpu[late & (st["rank"] == x)]) / np.median(cpu[late & (st["rank"] != x)]) - 1) < 0.03
     c = _read(run, Table.COLLECTIVES)
     assert np.nanmax(c["duration_ns"].astype(float)) < 1e6  # CPU side of a CUDA collective: launch latency
