@@ -62,7 +62,7 @@ class StepRecord:
 
     __slots__ = (
         "step", "start_wall_ns", "start_mono_ns", "end_mono_ns", "loss", "local_grad_norm", "data_position",
-        "dataloader_wait_ns", "checkpoint_ns", "seq", "ops", "phases", "grad_sq", "failed", "written",
+        "dataloader_wait_ns", "checkpoint_ns", "seq", "ops", "phases", "grad_sq", "failed", "written", "claimed",
         "dev_start", "dev_end", "device",
     )
 
@@ -77,9 +77,9 @@ class StepRecord:
         self.dataloader_wait_ns = 0
         self.checkpoint_ns = 0
         self.seq = 0
-        """Collectives issued so far in the step (the next one's `seq`)."""
+        """Collectives issued in the step (set when it ends)."""
         self.ops: list[_Open] = []
-        """The step's collectives, in issue order (appended at entry)."""
+        """The step's collectives, in issue order (appended at entry; an operation's `seq` is its index)."""
         self.phases: list[Any] | None = []
         """The step's finished phases (None once dropped because the writer fell behind)."""
         self.grad_sq: list[tuple[torch.Tensor, float]] = []
@@ -90,6 +90,9 @@ class StepRecord:
         self.written = 0
         """How many of `ops` the writer already wrote while the step was still running (it writes them in order,
         up to the first that has not exited)."""
+        self.claimed = 0
+        """How many of `ops` have their `record` and `seq` set (by the writer or a snapshot: `CollectiveTracker.claim`;
+        the hot path only appends)."""
         self.dev_start: Mark | None = None
         """Device marks at step start and end (with a `DeviceTimer`, while not yet resolved)."""
         self.dev_end: Mark | None = None
@@ -186,7 +189,7 @@ class _Open:
     __slots__ = (
         "_tracker", "op", "_group_obj", "nbytes", "dtype", "peer", "async_op", "group", "group_seq", "seq",
         "record", "enter_mono", "exit_mono", "wall_offset", "_dev", "dev_start", "dev_end", "dev_ns", "dev_at",
-        "_failed",
+        "_failed", "_loose",
     )
     # set when taken from the pool (`_take`, or inline in `Collector.collective`); `_tracker` once, when allocated
     _tracker: CollectiveTracker
@@ -203,6 +206,7 @@ class _Open:
     group: GroupInfo
     group_seq: int
     seq: int
+    """Index in its step's `ops` (-1 outside a step); with `record`, set off the hot path (`CollectiveTracker.claim`)."""
     record: StepRecord | None
     """The step it was issued in (None outside a step, and while in the pool)."""
     enter_mono: int
@@ -221,34 +225,22 @@ class _Open:
     """Device ns from the step's start mark to the entry mark, once resolved (None outside a step)."""
     _failed: bool
     """It exited with an error (set before the exit is visible): never reused."""
+    _loose: bool
+    """Entered outside a step: never reused."""
 
     def __enter__(self) -> GroupInfo | None:
         t = self._tracker
         try:
-            g = t._fast.get(id(self._group_obj)) or t._group_state(self._group_obj)
+            group = self._group_obj
+            g = t._fast.get(group) or t._group_state(group)
             self.group = info = g.info
             self.group_seq = g.next_seq()
-            self.exit_mono = None
-            record = self.record = t.current
-            if record is not None:
-                self.seq = seq = record.seq
-                record.seq = seq + 1
-                record.ops.append(self)
-            else:
-                t._enter_loose(self)
+            t._add(self)  # the step's `ops.append` (its `record` and `seq` are set later), or `_enter_loose`
             if self._dev:
-                t._start_mark(self)
+                t._start_mark(self)  # never raises
             self.enter_mono = _mono()
             return info
-        except Exception as exc:
-            record = getattr(self, "record", None)
-            if record is not None and record.ops and record.ops[-1] is self:
-                record.ops.pop()
-            self.record = None
-            if hasattr(self, "enter_mono"):
-                del self.enter_mono
-            if self._dev and t._timer is not None:
-                t._timer.release(getattr(self, "dev_start", None))
+        except Exception as exc:  # raised before `_add`: nothing refers to it
             self._dev = 0
             t._on_internal("collective.enter", exc)
             return None
@@ -259,9 +251,9 @@ class _Open:
         if exc is not None:
             self._tracker._exit_failed(self, exc)
             return
-        record = self.record  # read before the exit is visible: from then on the writer may reuse the record
+        loose = self._loose  # read before the exit is visible: from then on the writer may reuse the record
         self.exit_mono = _mono()
-        if record is None:
+        if loose:
             self._tracker._exit_loose(self)
 
     def _future_done(self, f: torch.futures.Future[Any]) -> torch.Tensor:
@@ -312,8 +304,9 @@ def _new(tracker: CollectiveTracker) -> _Open:
     """A record for the pool (built without an `__init__` call)."""
     o: _Open = _alloc(_Open)
     o._tracker = tracker
-    o.record = None
-    o._failed = False
+    o.record = o.exit_mono = None
+    o._dev = 0
+    o._failed = o._loose = False
     return o
 
 
@@ -327,14 +320,20 @@ def _make(tracker: CollectiveTracker, op: str, group: Any, tensor: Any, peer: in
             o = _new(tracker)
     else:
         o = _new(tracker)
-    o.op, o._group_obj, o.peer, o.async_op = op, group, peer, async_op
+    o.op = op
+    o._group_obj = group
+    o.peer = peer
+    o.async_op = async_op
     mode = tracker._dev_mode
     if isinstance(tensor, _Tensor):
-        o.nbytes, o.dtype = tensor.nbytes, tensor.dtype
-        o._dev = mode and (mode == 2 or tensor.is_cuda)
+        o.nbytes = tensor.nbytes
+        o.dtype = tensor.dtype
+        if mode:
+            o._dev = mode == 2 or tensor.is_cuda
     else:
         o.nbytes, o.dtype = _payload(tensor)
-        o._dev = mode and (mode == 2 or bool(tensor and tensor[0].is_cuda))
+        if mode:
+            o._dev = mode == 2 or bool(tensor and tensor[0].is_cuda)
     return o
 
 
@@ -357,15 +356,16 @@ class CollectiveTracker:
         operations are marked on the device and their rows wait for the marks, at most `device_resolve_s`."""
         self._rank = rank
         self._append_row = append
-        self.current: StepRecord | None = None
-        """The step in progress; the collector sets it at step begin and clears it at step end."""
+        self._current: StepRecord | None = None
+        self._add: Callable[[_Open], None] = self._enter_loose
+        """Where an entered operation goes: the step in progress's `ops.append`, or the open set outside a step."""
         self._on_error = on_error
         self._on_internal = on_internal
         self._inflight_after_ns = int(inflight_after_s * 1e9)
         self._groups: dict[int, GroupInfo] = {}
         self._group_seq: dict[str, itertools.count[int]] = {}
-        self._fast: dict[int, _Group] = {}
-        """id(group object) -> its constants, filled on first use (cleared when a group is registered)."""
+        self._fast: dict[Any, _Group] = {}
+        """Group object -> its constants, filled on first use (cleared when a group is registered)."""
         self._live: set[_Open] = set()
         """Operations entered outside a step and not yet left."""
         self._errors: dict[_Open, str] = {}
@@ -386,6 +386,16 @@ class CollectiveTracker:
         """0: no device timing; 1: operations on CUDA tensors are marked; 2: every operation is (the fake)."""
         self.set_timer(timer)
         self._lock = threading.Lock()
+
+    @property
+    def current(self) -> StepRecord | None:
+        """The step in progress; the collector sets it at step begin and clears it at step end."""
+        return self._current
+
+    @current.setter
+    def current(self, record: StepRecord | None) -> None:
+        self._current = record
+        self._add = self._enter_loose if record is None else record.ops.append
 
     def set_timer(self, timer: DeviceTimer | None) -> None:
         """Time operations entered from now on with `timer` (the collector calls it before the first step)."""
@@ -415,7 +425,7 @@ class CollectiveTracker:
         info = self.info(group)
         with self._lock:
             seqs = self._group_seq.setdefault(info.name, itertools.count())
-            state = self._fast.setdefault(id(group), _Group(info, seqs.__next__))
+            state = self._fast.setdefault(group, _Group(info, seqs.__next__))
         return state
 
     # -- enter / exit ---------------------------------------------------------------------------------
@@ -453,17 +463,24 @@ class CollectiveTracker:
 
     def _enter_loose(self, o: _Open) -> None:
         """Entering outside a step: the operation goes to the open set, with its own wall-clock offset."""
+        o._loose = True
+        o.record = None
         o.seq = -1
         o.wall_offset = _wall() - _mono()
         with self._lock:
             self._live.add(o)
 
     def _start_mark(self, o: _Open) -> None:
-        """Entering a device-timed operation: its entry mark (`_dev` -1 when the pool is empty)."""
-        o.dev_end = o.dev_ns = o.dev_at = None
-        timer = self._timer
-        m = o.dev_start = timer.mark() if timer is not None else None
-        o._dev = 1 if m is not None else -1
+        """Entering a device-timed operation: its entry mark (`_dev` -1 when the pool is empty). Never raises."""
+        o.dev_start = o.dev_end = o.dev_ns = o.dev_at = None
+        o._dev = -1
+        try:
+            timer = self._timer
+            m = o.dev_start = timer.mark() if timer is not None else None
+            if m is not None:
+                o._dev = 1
+        except Exception as internal:
+            self._on_internal("collective.device_mark", internal)
 
     def _end_mark(self, o: _Open, exc: BaseException | None) -> None:
         """Leaving a device-timed operation: its exit mark, on the current stream. Never raises."""
@@ -486,7 +503,7 @@ class CollectiveTracker:
             with self._lock:
                 self._errors[o] = f"{type(exc).__name__}: {exc}"[:500]
             o.exit_mono = end
-            if o.record is None:
+            if o._loose:
                 self._exit_loose(o)
             self._on_error(exc, o)
         except Exception as internal:
@@ -507,6 +524,20 @@ class CollectiveTracker:
                 self._append_row(self._final_row(o))  # outside the lock: a sink may take its own
         except Exception as internal:
             self._on_internal("collective.exit", internal)
+
+    @staticmethod
+    def claim(record: StepRecord) -> None:
+        """Set `record` and `seq` (the index) of the step's operations appended since the last claim: done off the hot
+        path, by the writer and by snapshots, before any of them reads those fields (racing claims write the same
+        values)."""
+        ops = record.ops
+        i, n = record.claimed, len(ops)
+        while i < n:
+            o = ops[i]
+            o.record = record
+            o.seq = i
+            i += 1
+        record.claimed = n
 
     def _row(self, o: _Open) -> Row:
         """The `collectives` row of an entered operation, as it stands (in flight if it has not exited)."""
@@ -538,23 +569,23 @@ class CollectiveTracker:
     def _retire(self, ops: Iterable[_Open]) -> None:
         """Operations whose rows, and their steps' rows, are built (writer thread): device marks still held go back
         to the timer's pool (an end mark taken by an exit racing the writer's give-up), and the records to this
-        tracker's pool, except failed ones and ones outside a step (see `_Open`)."""
+        tracker's pool, except failed ones and ones outside a step (see `_Open`). Under the lock: snapshots read open
+        operations under it, so none is seen half reset or reused meanwhile."""
         pool = self._pool
         timer = self._timer
-        back: list[_Open] = []
-        for o in ops:
-            if o._dev and timer is not None and (o.dev_start is not None or o.dev_end is not None):
-                timer.release(o.dev_start, o.dev_end)
-                o.dev_start = o.dev_end = None
-            if o.record is None or o._failed or not hasattr(o, "enter_mono"):
-                continue
-            o.record = o._group_obj = None  # no step (its tensors) or group kept alive by the pool
-            del o.enter_mono  # "not entered" again, for the writer and snapshots
-            back.append(o)
-        room = _POOL_MAX - len(pool)
-        if room > 0 and back:
-            with self._lock:  # snapshots copy open operations under it: none is reused meanwhile
-                pool += back[:room]
+        with self._lock:
+            room = _POOL_MAX - len(pool)
+            for o in ops:
+                if o._dev and timer is not None and (o.dev_start is not None or o.dev_end is not None):
+                    timer.release(o.dev_start, o.dev_end)
+                    o.dev_start = o.dev_end = None
+                if o._loose or o._failed or room <= 0 or not hasattr(o, "enter_mono"):
+                    continue
+                o.record = o._group_obj = o.exit_mono = None  # no step (its tensors) or group kept alive by the pool
+                o._dev = 0
+                del o.enter_mono  # "not entered" again, for the writer and snapshots
+                pool.append(o)
+                room -= 1
 
     def abandon(self, ops: Iterable[_Open]) -> None:
         """A dropped step's operations (training thread, the writer fell behind): device marks go back to the pool
@@ -636,7 +667,9 @@ class CollectiveTracker:
         keep: list[_Open] = []
         written: list[_Open] = []
         """Rows built and steps' rows built (the caller built those of `done`): back to the pool at the end."""
+        claim = self.claim
         for record in done:
+            claim(record)
             ops, n = record.ops, record.written
             written += ops[:n]  # written while their step ran
             late += ops[n:]
@@ -651,6 +684,7 @@ class CollectiveTracker:
             rows.append(self._final_row(o))
             written.append(o)
         if current is not None:
+            claim(current)
             ops, i = current.ops, current.written
             n = len(ops)
             while i < n:
@@ -720,8 +754,9 @@ class CollectiveTracker:
         """Operations entered and not exited (a copy: other threads add and remove them meanwhile). Call with the
         lock held: the writer hands records back to the pool under it, so none of these is reused meanwhile."""
         candidates = list(self._live) + self._late
-        current = self.current
+        current = self._current
         if current is not None:
+            self.claim(current)
             candidates += current.ops[current.written :]
         return [o for o in candidates if hasattr(o, "enter_mono") and o.exit_mono is None]
 

@@ -506,6 +506,7 @@ class Collector:
         record.end_mono_ns = _mono()
         self._current = None
         self.tracker.current = None
+        record.seq = len(record.ops)
         self._add_phase = self._loose_phase
         self._last_step = record.step
         try:
@@ -589,6 +590,7 @@ class Collector:
         (values or nulls) and back in the pool. Never waits."""
         final = True
         settle_op = self.tracker.settle_op
+        self.tracker.claim(record)  # settle_op reads an operation's step
         for o in record.ops:
             if o._dev == 1 and not settle_op(o, expired):
                 final = False
@@ -737,9 +739,15 @@ class Collector:
                 o = _new(t)
         else:
             o = _new(t)
-        o.op, o._group_obj, o.peer, o.async_op = op, group, peer, False
+        o.op = op
+        o._group_obj = group
+        o.peer = peer
+        o.async_op = False
+        o.nbytes = tensor.nbytes
+        o.dtype = tensor.dtype
         mode = t._dev_mode
-        o.nbytes, o.dtype, o._dev = tensor.nbytes, tensor.dtype, mode and (mode == 2 or tensor.is_cuda)
+        if mode:  # records come back from the pool with `_dev` 0
+            o._dev = mode == 2 or tensor.is_cuda
         return o
 
     def ddp_comm_hook(self, group: Any = None, *, before: Callable[[GroupInfo], None] | None = None) -> Any:

@@ -35,19 +35,47 @@ INSTRUMENTED: dict[str, tuple[str, str | None, str | None]] = {
 }
 
 
-def _wrap(tracker: CollectiveTracker, fn: Callable[..., Any], op: str, tensor_arg: str | None, peer_arg: str | None) -> Callable[..., Any]:
+def _binder(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[[tuple[Any, ...], dict[str, Any]], list[Any]]:
+    """The values of `names` in a call of `fn` (None where not passed), as `inspect.Signature.bind_partial` finds them,
+    raising TypeError where it would. Without *args/**kwargs in the signature (the torch.distributed functions), by
+    position or keyword from precomputed indexes: `bind_partial` costs more than the whole collector per call."""
     import inspect
 
     sig = inspect.signature(fn)
+    kinds = [p.kind for p in sig.parameters.values()]
+    positional = tuple(n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(k not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) for k in kinds):
+
+        def slow(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+            bound = sig.bind_partial(*args, **kwargs).arguments
+            return [bound.get(n) for n in names]
+
+        return slow
+    known = frozenset(sig.parameters)
+    where = [(n, positional.index(n) if n in positional else len(positional)) for n in names]
+    most = len(positional)
+
+    def fast(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        count = len(args)
+        if count > most or (kwargs and (not known.issuperset(kwargs) or not kwargs.keys().isdisjoint(positional[:count]))):
+            sig.bind_partial(*args, **kwargs)  # raises the TypeError `fn` would
+        return [args[i] if i < count else kwargs.get(n) for n, i in where]
+
+    return fast
+
+
+def _wrap(tracker: CollectiveTracker, fn: Callable[..., Any], op: str, tensor_arg: str | None, peer_arg: str | None) -> Callable[..., Any]:
+    bind = _binder(fn, (tensor_arg or "", "group", peer_arg or "", "async_op"))
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            bound = sig.bind_partial(*args, **kwargs).arguments
-            tensor = bound.get(tensor_arg) if tensor_arg else None
-            group = bound.get("group")
-            peer = bound.get(peer_arg) if peer_arg else None
-            async_op = bool(bound.get("async_op", False))
+            tensor, group, peer, async_op = bind(args, kwargs)
+            if not tensor_arg:
+                tensor = None
+            if not peer_arg:
+                peer = None
+            async_op = bool(async_op)
             o = tracker.enter(op, group, tensor, peer=peer, async_op=async_op)
         except Exception as exc:
             tracker._on_internal(f"instrument.{op}", exc)

@@ -150,3 +150,23 @@ def test_end_marks_of_a_dropped_steps_open_operations_are_returned(tmp_path: Pat
     dev.run_all()
     c.close(exit_code=0)
     assert len(sink.rows(Table.COLLECTIVES)) == 2 and dev.pending == 0
+
+
+def test_instrumented_calls_find_their_arguments_as_bind_partial_does() -> None:
+    import inspect
+
+    import torch.distributed as dist
+
+    from rankwatch.collector.instrument import _binder
+
+    names = ("tensor", "group", "", "async_op")
+    bind = _binder(dist.all_reduce, names)
+    sig = inspect.signature(dist.all_reduce)
+    t, g = torch.zeros(1), object()
+    for args, kwargs in [((t,), {}), ((t,), {"group": g}), ((t, dist.ReduceOp.SUM, g, True), {}),
+                         ((), {"tensor": t, "async_op": True}), ((t, dist.ReduceOp.SUM), {"group": g})]:
+        bound = sig.bind_partial(*args, **kwargs).arguments
+        assert bind(args, kwargs) == [bound.get(n) for n in names]
+    for args, kwargs in [((t,), {"tensor": t}), ((t,), {"bogus": 1}), ((t, 1, 2, 3, 4), {})]:
+        with pytest.raises(TypeError):
+            bind(args, kwargs)
