@@ -153,16 +153,17 @@ class Builder:
         self.life = _Life(start=start, end=end, cut=cut, flushes=flushes, first=start + phase)
 
     def _blocked_ops(self) -> None:
-        """Where each rank was left: the first op of the last step it entered and never left."""
+        """Where each rank was left: the first op it entered and never left (in the failing step or the next)."""
         sim = self.sim
-        s = sim.steps - 1
-        best: dict[int, tuple[float, int]] = {}
-        for oi, op in enumerate(sim.ops):
-            en, ex = op.enter[s], op.exit[s]
-            for r in np.where(np.isfinite(en) & np.isinf(ex))[0].tolist():
-                if r not in best or en[r] < best[r][0]:
-                    best[r] = (float(en[r]), oi)
-        self.blocked = {r: (oi, s) for r, (_, oi) in best.items()}
+        best: dict[int, tuple[float, int, int]] = {}
+        for s in range(max(0, sim.steps - 2), sim.steps):
+            for oi, op in enumerate(sim.ops):
+                en, ex = op.enter[s], op.exit[s]
+                for r in np.where(np.isfinite(en) & np.isinf(ex))[0].tolist():
+                    t = float(sim.origin[s] + en[r])
+                    if r not in best or t < best[r][0]:
+                        best[r] = (t, oi, s)
+        self.blocked = {r: (oi, s) for r, (_, oi, s) in best.items()}
 
     # -- tables --------------------------------------------------------------------------------------------------
     def build(self) -> dict[Table, pa.Table]:
@@ -241,7 +242,8 @@ class Builder:
             wait[s] += b - a
             count[s] += 1
             ckpt[s, 0] += np.nan_to_num(phases["publish"][1][0] - phases["publish"][0][0])
-        dur = sim.cpu_end - sim.start
+        with np.errstate(invalid="ignore"):
+            dur = sim.cpu_end - sim.start
         dl = d.plan.dl_wait[:S]
         compute = np.maximum(0.0, dur - wait - dl - ckpt)
         si, ri = np.nonzero(ok)
@@ -361,6 +363,8 @@ class Builder:
                     exit_t[i] = self.error_at[rank]
                     status[i] = 1
                     error[i] = self._error_text(rank)
+        self.open_ops = (r, enter, np.where(np.isnan(exit_t), np.inf, exit_t), c["oi"], c["group"], c["gseq"],
+                         np.zeros(len(r), dtype=np.int32))
         written = np.isfinite(exit_t) & (exit_t <= cut)
         if np.isfinite(kill):
             written &= exit_t <= kill
@@ -381,7 +385,8 @@ class Builder:
         dev = c["dev"][rows]
         dev_ok = self.gpu & fin & np.isfinite(dev) & (st == 0)
         if self.gpu and e.kind != "ok":  # the failing step's device marks never resolved: written with nulls
-            dev_ok &= ss < sim.steps - 1
+            stop = d.plan.death.step if d.plan.death is not None else sim.steps - 1
+            dev_ok &= ss < stop
         ns = lambda a: np.round(np.nan_to_num(a, posinf=0.0, neginf=0.0) * _NS).astype(np.int64)  # noqa: E731
         kinds = [op.op for op in sim.ops] + ["barrier"]
         gnames = pa.array([g.name for g in w.groups])
@@ -406,7 +411,6 @@ class Builder:
             "status": pa.DictionaryArray.from_arrays(pa.array(st), pa.array(["ok", "error", "in_flight"])).cast(pa.string()),
             "error": list(err_col),
         })
-        self.open_ops = (rr, en, np.where(fin, ex, np.inf), c["oi"][rows], c["group"][rows], c["gseq"][rows], st)
         return tbl.take(pa.array(order))
 
     def _snapshots(self, r: np.ndarray, enter: np.ndarray, exit_t: np.ndarray, kill: float) -> tuple[np.ndarray, np.ndarray]:
@@ -515,6 +519,7 @@ class Builder:
         S = sim.steps
         big = 1e7
         st = (sim.origin[:, None] + sim.start).T  # (N, S)
+        st = np.where(np.isfinite(st), st, big * 0.9)
         key = (np.arange(n)[:, None] * big + st).reshape(-1)
         q = r * big + t
         pos = np.searchsorted(key, q, side="right") - 1

@@ -14,6 +14,7 @@ relative to the step's origin, on the *lane* that does the work: the training th
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -139,13 +140,27 @@ def _jitter(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> n
 
 
 def simulate(plan: Plan, rng: np.random.Generator) -> Sim:
+    """The run's times. With a death or hang at step F the steps simulated are F and F + 1: ranks that finished F
+    start F + 1 and stay inside its first collective that waits on a rank that never got there."""
+    d = plan.death
+    if d is None or d.step + 1 >= plan.steps:
+        return _simulate(plan, rng, None)
+    first = _simulate(plan, copy.deepcopy(rng), None, steps=d.step + 1)
+    never = ~np.isfinite(first.cpu_end[d.step])
+    never[d.rank] = True
+    return _simulate(plan, rng, never)
+
+
+def _simulate(plan: Plan, rng: np.random.Generator, never_next: np.ndarray | None, steps: int | None = None) -> Sim:
     w = plan.world
     n, P, D, T = w.n, w.pp, w.dp, w.tp
     d = plan.death
-    S = plan.steps if d is None else d.step + 1
+    S = steps or (plan.steps if d is None else min(plan.steps, d.step + 2))
     shape = (S, n)
     gpu = plan.timing == "gpu"
     clk = _Clock(shape, None if d is None else d.step)
+    if never_next is not None and S > d.step + 1:  # type: ignore[union-attr]
+        clk.death[d.step + 1, never_next] = -INF  # type: ignore[union-attr]
     G = w.grid
 
     start = _jitter(rng, shape, 30e-6)
@@ -379,6 +394,8 @@ def simulate(plan: Plan, rng: np.random.Generator) -> Sim:
         for p in PHASES:
             p0 = c.copy()
             dur = enq[p] * rng.lognormal(0.0, 0.15, size=shape) + (stall if p == "forward" else 0.0)
+            if d is not None and d.where == p and not d.stuck_only:  # the thread stops inside this phase
+                host_death[d.step, d.rank] = p0[d.step, d.rank] + d.frac * dur[d.step, d.rank]
             keys = [k for k in by_phase[p] if k in ops]
             for i, k in enumerate(keys):
                 o = ops[k]
@@ -441,6 +458,8 @@ def simulate(plan: Plan, rng: np.random.Generator) -> Sim:
         return a + offs
 
     start, lane_end, cpu_end = sh(start), sh(lane_end), sh(cpu_end)
+    if never_next is not None and S > d.step + 1:  # type: ignore[union-attr]
+        start[d.step + 1, never_next] = INF  # type: ignore[union-attr]
     phase_lane = {p: (sh(a), sh(b)) for p, (a, b) in phase_lane.items()}
     phase_cpu = {p: (sh(a), sh(b)) for p, (a, b) in phase_cpu.items()}
     for o in ops.values():
