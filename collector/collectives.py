@@ -285,9 +285,9 @@ class _Open:
 
 _alloc = object.__new__
 _COPIED = tuple(n for n in _Open.__slots__ if n != "_tracker")
-_POOL_MAX = 1 << 16
-"""Records a tracker keeps for reuse at most (more in flight at once, e.g. a burst between two flushes, are
-allocated and left to the garbage collector)."""
+_POOL_MAX = 1 << 17
+"""Records a tracker keeps for reuse at most: about the sink's default bound on buffered rows a table (records beyond
+it, e.g. more than that many collectives between two flushes, are allocated and left to the garbage collector)."""
 
 
 def _entry_order(o: _Open) -> int:
