@@ -206,7 +206,8 @@ class _Open:
     group: GroupInfo
     group_seq: int
     seq: int
-    """Index in its step's `ops` (-1 outside a step); with `record`, set off the hot path (`CollectiveTracker.claim`)."""
+    """Index in its step's `ops` (-1 outside a step); with `record`, set off the hot path
+    (`CollectiveTracker.claim`)."""
     record: StepRecord | None
     """The step it was issued in (None outside a step, and while in the pool)."""
     enter_mono: int

@@ -47,7 +47,16 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from rankwatch.collector.collectives import CollectiveTracker, GroupInfo, StepRecord, _alloc, _make, _new, _Open, _Tensor
+from rankwatch.collector.collectives import (
+    CollectiveTracker,
+    GroupInfo,
+    StepRecord,
+    _alloc,
+    _make,
+    _new,
+    _Open,
+    _Tensor,
+)
 from rankwatch.collector.device import CudaDeviceTimer, DeviceTimer, Mark
 from rankwatch.collector.fingerprint import fingerprint
 from rankwatch.collector.gpu import GpuMonitor, GpuSample, GpuSampler

@@ -57,7 +57,9 @@ def _binder(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[[tuple[A
 
     def fast(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         count = len(args)
-        if count > most or (kwargs and (not known.issuperset(kwargs) or not kwargs.keys().isdisjoint(positional[:count]))):
+        if count > most or (
+            kwargs and (not known.issuperset(kwargs) or not kwargs.keys().isdisjoint(positional[:count]))
+        ):
             sig.bind_partial(*args, **kwargs)  # raises the TypeError `fn` would
         return [args[i] if i < count else kwargs.get(n) for n, i in where]
 

@@ -19,7 +19,9 @@ COLS = column_names(Table.COLLECTIVES)
 
 
 def _collector(tmp_path: Path, sink: MemorySink, **kw: object) -> Collector:
-    config = CollectorConfig(run_dir=tmp_path, handle_sigterm=False, inflight_after_s=0.0, **kw)  # type: ignore[arg-type]
+    config = CollectorConfig(
+        run_dir=tmp_path, handle_sigterm=False, inflight_after_s=0.0, **kw  # type: ignore[arg-type]
+    )
     c = Collector(config, rank=0, world_size=2, host="host0", sink=sink)
     c.register_group(GROUP, INFO)
     return c
