@@ -1,7 +1,10 @@
 """Detection quality over the labeled suite of simulated scenarios.
 
     .venv/bin/python benchmarks/detection.py [--timing cpu|gpu|both] [--only NAME_SUBSTRING] [--keep DIR] [--jobs N]
-                                             [--seed-offset K]
+                                             [--seed-offset K] [--clock auto|cpu]
+
+`--clock cpu` is the control: analysis reads the CPU-side figures only, as a detector that ignores the device
+columns would; on gpu timing it must FAIL (the CUDA job's straggler is invisible there).
 
 For every scenario of `simulator.standard_suite()` and each timing (cpu: gloo semantics; gpu: a CUDA job's, where
 only the device columns carry the straggler signal) it simulates the run, analyzes it exactly as `rankwatch analyze`
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from rankwatch.analytics.analyze import analyze
+from rankwatch.analytics.frames import Clock
 from rankwatch.simulator import Scenario, simulate, standard_suite
 from rankwatch.simulator.config import Timing
 
@@ -56,12 +60,12 @@ class Outcome:
     seconds_analyze: float
 
 
-def _run_one(scenario: Scenario, root: Path) -> Outcome:
+def _run_one(scenario: Scenario, root: Path, clock: Clock = Clock.AUTO) -> Outcome:
     out = root / str(scenario.config.timing) / scenario.name
     t0 = time.perf_counter()
     simulate(scenario.config, out)
     t1 = time.perf_counter()
-    incidents = analyze(out).incidents
+    incidents = analyze(out, clock=clock).incidents
     t2 = time.perf_counter()
     labels = json.loads((out / "labels.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
@@ -227,6 +231,9 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2, help="scenarios in parallel")
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="add this to every scenario's seed: the same faults over fresh noise (a held-out draw)")
+    ap.add_argument("--clock", choices=("auto", "cpu"), default="auto",
+                    help="the clock analysis reads: auto (the device's where every rank has it), or cpu — the control "
+                         "that shows a CPU-only detector blind on gpu timing (expected to FAIL there)")
     args = ap.parse_args()
     modes = [Timing.CPU, Timing.GPU] if args.timing == "both" else [Timing(args.timing)]
     base = [s for s in standard_suite() if args.only in s.name]
@@ -242,7 +249,7 @@ def main() -> int:
     suite = [Scenario(name=s.name, config=replace(s.config, seed=s.config.seed + args.seed_offset, timing=m))
              for m in modes for s in base]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for o in pool.map(_run_one, suite, [root] * len(suite)):
+        for o in pool.map(_run_one, suite, [root] * len(suite), [Clock(args.clock)] * len(suite)):
             status = "clean" if not o.expected else ",".join(sorted({e["class"] for e in o.expected}))
             got = ",".join(f"{i['class']}:{i['subject_kind']}:{i['subject']}" for i in o.incidents) or "-"
             print(f"  {o.timing:<3} {o.scenario:<36} {o.ranks:>5} ranks {o.steps:>4} steps  expect {status:<20} "
