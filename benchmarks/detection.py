@@ -38,6 +38,9 @@ from typing import Any
 
 from rankwatch.analytics.analyze import analyze
 from rankwatch.analytics.frames import Clock
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from independent import generate as generate_independent, scenarios as independent_scenarios  # noqa: E402
 from rankwatch.simulator import Scenario, simulate, standard_suite
 from rankwatch.simulator.config import Timing
 
@@ -51,7 +54,8 @@ _DEVICE_CAUSES = frozenset({"host_stall", "device_slow"})
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Outcome:
     scenario: str
-    timing: Timing
+    timing: str
+    """cpu | gpu (a `Timing` for the simulator source)."""
     ranks: int
     steps: int
     expected: tuple[dict[str, Any], ...]
@@ -72,6 +76,23 @@ def _run_one(scenario: Scenario, root: Path, clock: Clock = Clock.AUTO) -> Outco
     return Outcome(
         scenario=scenario.name, timing=scenario.config.timing, ranks=labels["ranks"], steps=labels["steps"], expected=tuple(labels["expected"]),
         incidents=tuple(i.to_dict() for i in incidents), seconds_simulate=t1 - t0, seconds_analyze=t2 - t1,
+    )
+
+
+def _run_independent(scenario: Any, root: Path, timing: str, clock: Clock = Clock.AUTO) -> Outcome:
+    """`_run_one` for a scenario of the independent source (benchmarks/independent: written apart from the
+    detectors, with its own physics and noise model)."""
+    t0 = time.perf_counter()
+    out = generate_independent(scenario, root / timing, timing)
+    t1 = time.perf_counter()
+    incidents = analyze(out, clock=clock).incidents
+    t2 = time.perf_counter()
+    labels = json.loads((out / "labels.json").read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    return Outcome(
+        scenario=scenario.name, timing=timing, ranks=labels["ranks"], steps=labels["steps"],
+        expected=tuple(labels["expected"]), incidents=tuple(i.to_dict() for i in incidents),
+        seconds_simulate=t1 - t0, seconds_analyze=t2 - t1,
     )
 
 
@@ -181,7 +202,7 @@ def _ratio(pair: tuple[int, int]) -> str:
     return f"{pair[0] / pair[1]:.3f} ({pair[0]}/{pair[1]})" if pair[1] else "-"
 
 
-def report(scores: dict[Timing, Score]) -> int:
+def report(scores: dict[Any, Score]) -> int:
     """Print the per-class table of every timing side by side, then each timing's misses; 1 if a target is missed."""
     modes = list(scores)
     klasses = sorted({k for s in scores.values() for k in s.tallies})
@@ -234,8 +255,16 @@ def main() -> int:
     ap.add_argument("--clock", choices=("auto", "cpu"), default="auto",
                     help="the clock analysis reads: auto (the device's where every rank has it), or cpu — the control "
                          "that shows a CPU-only detector blind on gpu timing (expected to FAIL there)")
+    ap.add_argument("--source", choices=("sim", "independent"), default="sim",
+                    help="sim: simulator.standard_suite() (written beside the detectors); independent: "
+                         "benchmarks/independent (written apart from them), with --split")
+    ap.add_argument("--split", choices=("tune", "heldout"), default="tune",
+                    help="independent source only: tune seeds (may be looked at while tuning) or held-out seeds "
+                         "(run only for the reported figure, never while tuning)")
     args = ap.parse_args()
     modes = [Timing.CPU, Timing.GPU] if args.timing == "both" else [Timing(args.timing)]
+    if args.source == "independent":
+        return _independent_main(args, [str(m) for m in modes])
     base = [s for s in standard_suite() if args.only in s.name]
     if not base:
         print(f"no scenario name contains {args.only!r}")
@@ -245,7 +274,7 @@ def main() -> int:
     print(f"{len(base)} scenarios x {len(modes)} timing(s), {min(sizes)}..{max(sizes)} ranks, "
           f"{sum(1 for s in base if s.name.startswith('clean'))} clean controls; simulating into {root}")
     t0 = time.perf_counter()
-    by_mode: dict[Timing, list[Outcome]] = {m: [] for m in modes}
+    by_mode: dict[str, list[Outcome]] = {m: [] for m in modes}
     suite = [Scenario(name=s.name, config=replace(s.config, seed=s.config.seed + args.seed_offset, timing=m))
              for m in modes for s in base]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
@@ -253,6 +282,31 @@ def main() -> int:
             status = "clean" if not o.expected else ",".join(sorted({e["class"] for e in o.expected}))
             got = ",".join(f"{i['class']}:{i['subject_kind']}:{i['subject']}" for i in o.incidents) or "-"
             print(f"  {o.timing:<3} {o.scenario:<36} {o.ranks:>5} ranks {o.steps:>4} steps  expect {status:<20} "
+                  f"got {got}  ({o.seconds_simulate:.1f}+{o.seconds_analyze:.1f}s)", flush=True)
+            by_mode[o.timing].append(o)
+    print(f"suite took {time.perf_counter() - t0:.0f}s")
+    if args.keep is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return report({m: score(by_mode[m]) for m in modes})
+
+
+def _independent_main(args: argparse.Namespace, modes: list[str]) -> int:
+    chosen = {m: [sc for sc in independent_scenarios(args.split, m) if args.only in sc.name] for m in modes}
+    if not any(chosen.values()):
+        print(f"no scenario name contains {args.only!r}")
+        return 2
+    root = args.keep or Path(tempfile.mkdtemp(prefix="rankwatch-detection-independent-"))
+    n = sum(len(v) for v in chosen.values())
+    print(f"independent source, {args.split} split: {n} runs over {len(modes)} timing(s); generating into {root}")
+    t0 = time.perf_counter()
+    by_mode: dict[str, list[Outcome]] = {m: [] for m in modes}
+    jobs = [(sc, m) for m in modes for sc in chosen[m]]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for o in pool.map(_run_independent, [sc for sc, _ in jobs], [root] * len(jobs), [m for _, m in jobs],
+                          [Clock(args.clock)] * len(jobs)):
+            status = "clean" if not o.expected else ",".join(sorted({e["class"] for e in o.expected}))
+            got = ",".join(f"{i['class']}:{i['subject_kind']}:{i['subject']}" for i in o.incidents) or "-"
+            print(f"  {o.timing:<3} {o.scenario:<48} {o.ranks:>5} ranks {o.steps:>4} steps  expect {status:<20} "
                   f"got {got}  ({o.seconds_simulate:.1f}+{o.seconds_analyze:.1f}s)", flush=True)
             by_mode[o.timing].append(o)
     print(f"suite took {time.perf_counter() - t0:.0f}s")
