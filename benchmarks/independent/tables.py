@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -341,7 +342,7 @@ class Builder:
             a, b = phases["barrier"]
             ri = np.arange(n)
             si = np.full(n, s)
-            seq = sum(op.member.astype(np.int64) for op in sim.ops)
+            seq: npt.NDArray[np.int64] = np.asarray(sum(op.member.astype(np.int64) for op in sim.ops))
             parts.append({"oi": np.full(n, len(sim.ops)), "s": si, "r": ri, "seq": seq,
                           "gseq": np.searchsorted(ck_steps, s, side="left") + np.zeros(n, dtype=np.int64),
                           "group": np.zeros(n, dtype=np.int64), "peer": np.full(n, -1), "bytes": np.zeros(n, dtype=np.int64),
@@ -491,7 +492,7 @@ class Builder:
             fp_step = fp_step + np.where(s >= s0, off[ri], 0)
         domain = w.dp_group[ri]
         fields = ("param_hash", "optim_hash", "rng_python_hash", "rng_numpy_hash", "rng_torch_hash", "rng_cuda_hash")
-        cols: dict[str, object] = {}
+        cols: dict[str, npt.NDArray[np.object_]] = {}
         for fi, f in enumerate(fields):
             salt = np.zeros(len(s), dtype=np.int64)
             if f in num.salt:
@@ -543,7 +544,7 @@ class Builder:
         rows: list[dict[str, np.ndarray]] = []
         kinds = ["start", "heartbeat", "exception", "signal", "exit", "warning"]
 
-        def add(r: np.ndarray, t: np.ndarray, kind: int, **extra: object) -> None:
+        def add(r: np.ndarray, t: np.ndarray, kind: int, **extra: npt.ArrayLike) -> None:
             m = t <= np.minimum(life.cut[r], life.end[r] + 1e-6)
             rows.append({"r": r[m], "t": t[m], "k": np.full(int(m.sum()), kind),
                          **{k: (np.asarray(v)[m] if np.ndim(v) else np.full(int(m.sum()), v, dtype=object))
@@ -554,14 +555,14 @@ class Builder:
         # heartbeats: the rank's own phase and drift, a little lateness from the GIL
         hb_r, hb_t = [], []
         freeze = d.plan.freeze
-        for r in range(n):
-            k = int(max(0.0, (life.end[r] - life.start[r]) / HEARTBEAT_S)) + 1
-            t = life.start[r] + HEARTBEAT_S * (np.arange(1, k + 1)) * (1 + rng.normal(0, 2e-4)) + rng.exponential(0.004, k)
-            t = t[t < life.end[r]]
-            if freeze is not None and r == freeze[0] and self.sim.freeze_span is not None:
+        for hb_rank in range(n):
+            k = int(max(0.0, (life.end[hb_rank] - life.start[hb_rank]) / HEARTBEAT_S)) + 1
+            t = life.start[hb_rank] + HEARTBEAT_S * (np.arange(1, k + 1)) * (1 + rng.normal(0, 2e-4)) + rng.exponential(0.004, k)
+            t = t[t < life.end[hb_rank]]
+            if freeze is not None and hb_rank == freeze[0] and self.sim.freeze_span is not None:
                 a, b = self.sim.freeze_span
                 t = t[(t < a) | (t > b)]
-            hb_r.append(np.full(len(t), r))
+            hb_r.append(np.full(len(t), hb_rank))
             hb_t.append(t)
         hr, ht = np.concatenate(hb_r), np.concatenate(hb_t)
         add(hr, ht, 1)
@@ -655,14 +656,14 @@ class Builder:
         life, sim = self.life, self.sim
         rr, tt = [], []
         freeze = d.plan.freeze
-        for r in range(n):
-            k = int(max(0.0, (life.end[r] - life.start[r]) / GPU_S)) + 1
-            t = life.start[r] + rng.uniform(0, GPU_S) + GPU_S * np.arange(k) + rng.normal(0, 0.003, k)
-            t = t[(t < life.end[r]) & (t <= life.cut[r])]
-            if freeze is not None and r == freeze[0] and sim.freeze_span is not None:
+        for g_rank in range(n):
+            k = int(max(0.0, (life.end[g_rank] - life.start[g_rank]) / GPU_S)) + 1
+            t = life.start[g_rank] + rng.uniform(0, GPU_S) + GPU_S * np.arange(k) + rng.normal(0, 0.003, k)
+            t = t[(t < life.end[g_rank]) & (t <= life.cut[g_rank])]
+            if freeze is not None and g_rank == freeze[0] and sim.freeze_span is not None:
                 a, b = sim.freeze_span
                 t = t[(t < a) | (t > b)]
-            rr.append(np.full(len(t), r))
+            rr.append(np.full(len(t), g_rank))
             tt.append(t)
         r, t = np.concatenate(rr), np.concatenate(tt)
         step, _ = self._step_at(r, t)
@@ -678,7 +679,7 @@ class Builder:
             c = np.cumsum(a, axis=0)
             return np.where(active, c[s, r], 0)
         sbe, dbe, remap = cum(hw.sbe_new), cum(hw.dbe_new), cum(hw.remap_new)
-        xid = [[] for _ in range(len(r))]
+        xid: list[list[int]] = [[] for _ in range(len(r))]
         if hw.xid:
             for (xs, xr), codes in hw.xid.items():
                 idx = np.where((r == xr) & (step >= xs))[0]

@@ -397,13 +397,13 @@ def _simulate(plan: Plan, rng: np.random.Generator, never_next: np.ndarray | Non
             if d is not None and d.where == p and not d.stuck_only:  # the thread stops inside this phase
                 host_death[d.step, d.rank] = p0[d.step, d.rank] + d.frac * dur[d.step, d.rank]
             keys = [k for k in by_phase[p] if k in ops]
-            for i, k in enumerate(keys):
-                o = ops[k]
+            for i, okey in enumerate(keys):
+                o = ops[okey]
                 at = p0 + dur * (i + 1) / (len(keys) + 1)
                 issued = o.member[None, :] & (at < host_death)
                 o.cpu_enter = np.where(issued, at, np.nan)
                 o.cpu_exit = np.where(issued, at + 8e-6 + _jitter(rng, shape, 6e-6), np.nan)
-                if d is not None and d.where == k and d.stuck_only:
+                if d is not None and d.where == okey and d.stuck_only:
                     # the rank's thread is stuck inside the call (a hung device stops its launch queue)
                     o.cpu_exit[d.step, d.rank] = INF
                     host_death[d.step, d.rank] = at[d.step, d.rank] + 1e-9
