@@ -3,6 +3,12 @@
     .venv/bin/python benchmarks/detection.py [--timing cpu|gpu|both] [--only NAME_SUBSTRING] [--keep DIR] [--jobs N]
                                              [--seed-offset K] [--clock auto|cpu]
 
+`--source independent` scores the second source, benchmarks/independent (written apart from the detectors by an
+author who never read them: its own step physics and noise model, 31 phenomena and 14 clean controls per split, 64 to
+2,048 ranks, both timings). The seed rule: `--split tune` (seeds 100,000..199,999) may be run, read and tuned on;
+`--split heldout` (seeds 900,000..999,999) is run only to report a figure, never while tuning detectors, and its
+per-scenario misses are not read to change them. A figure worth reporting is the held-out one.
+
 `--clock cpu` is the control: analysis reads the CPU-side figures only, as a detector that ignores the device
 columns would; on gpu timing it must FAIL (the CUDA job's straggler is invisible there).
 
