@@ -279,15 +279,21 @@ def main() -> int:
     sizes = sorted({s.config.world_size for s in base})
     print(f"{len(base)} scenarios x {len(modes)} timing(s), {min(sizes)}..{max(sizes)} ranks, "
           f"{sum(1 for s in base if s.name.startswith('clean'))} clean controls; simulating into {root}")
-    t0 = time.perf_counter()
-    by_mode: dict[str, list[Outcome]] = {m: [] for m in modes}
     suite = [Scenario(name=s.name, config=replace(s.config, seed=s.config.seed + args.seed_offset, timing=m))
              for m in modes for s in base]
+    n = len(suite)
+    return _run_suite(args, [str(m) for m in modes], root, 36, _run_one, suite, [root] * n, [Clock(args.clock)] * n)
+
+
+def _run_suite(args: argparse.Namespace, modes: list[str], root: Path, width: int, run: Any, *columns: list[Any]) -> int:
+    """Run `run` over the argument `columns` in parallel, print a line per outcome, and score each timing."""
+    t0 = time.perf_counter()
+    by_mode: dict[str, list[Outcome]] = {m: [] for m in modes}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for o in pool.map(_run_one, suite, [root] * len(suite), [Clock(args.clock)] * len(suite)):
+        for o in pool.map(run, *columns):
             status = "clean" if not o.expected else ",".join(sorted({e["class"] for e in o.expected}))
             got = ",".join(f"{i['class']}:{i['subject_kind']}:{i['subject']}" for i in o.incidents) or "-"
-            print(f"  {o.timing:<3} {o.scenario:<36} {o.ranks:>5} ranks {o.steps:>4} steps  expect {status:<20} "
+            print(f"  {o.timing:<3} {o.scenario:<{width}} {o.ranks:>5} ranks {o.steps:>4} steps  expect {status:<20} "
                   f"got {got}  ({o.seconds_simulate:.1f}+{o.seconds_analyze:.1f}s)", flush=True)
             by_mode[o.timing].append(o)
     print(f"suite took {time.perf_counter() - t0:.0f}s")
@@ -304,22 +310,9 @@ def _independent_main(args: argparse.Namespace, modes: list[str]) -> int:
     root = args.keep or Path(tempfile.mkdtemp(prefix="rankwatch-detection-independent-"))
     n = sum(len(v) for v in chosen.values())
     print(f"independent source, {args.split} split: {n} runs over {len(modes)} timing(s); generating into {root}")
-    t0 = time.perf_counter()
-    by_mode: dict[str, list[Outcome]] = {m: [] for m in modes}
     jobs = [(sc, m) for m in modes for sc in chosen[m]]
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for o in pool.map(_run_independent, [sc for sc, _ in jobs], [root] * len(jobs), [m for _, m in jobs],
-                          [Clock(args.clock)] * len(jobs)):
-            status = "clean" if not o.expected else ",".join(sorted({e["class"] for e in o.expected}))
-            got = ",".join(f"{i['class']}:{i['subject_kind']}:{i['subject']}" for i in o.incidents) or "-"
-            print(f"  {o.timing:<3} {o.scenario:<48} {o.ranks:>5} ranks {o.steps:>4} steps  expect {status:<20} "
-                  f"got {got}  ({o.seconds_simulate:.1f}+{o.seconds_analyze:.1f}s)", flush=True)
-            by_mode[o.timing].append(o)
-    print(f"suite took {time.perf_counter() - t0:.0f}s")
-    if args.keep is None:
-        shutil.rmtree(root, ignore_errors=True)
-    return report({m: score(by_mode[m]) for m in modes})
-
+    return _run_suite(args, modes, root, 48, _run_independent, [sc for sc, _ in jobs], [root] * len(jobs),
+                      [m for _, m in jobs], [Clock(args.clock)] * len(jobs))
 
 if __name__ == "__main__":
     sys.exit(main())
