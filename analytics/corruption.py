@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import polars as pl
 
-from rankwatch.analytics.divergence import STATE_FIELDS, build_incidents, fingerprint_departures, first_origin_steps
+from rankwatch.analytics.divergence import STATE_FIELDS, build_incidents, fingerprint_departures, state_departures
 from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.collector.schema import Fingerprints, Gpu, Steps
@@ -91,19 +91,9 @@ def _value_mismatch(frames: Frames, config: CorruptionConfig) -> list[tuple[Inci
     dep = fingerprint_departures(frames)
     if dep.height == 0:
         return []
-    rank_origin = first_origin_steps(dep)
-    domain_origin = rank_origin.group_by("domain").agg(pl.col("origin_step").min().alias("domain_origin"))
-    state = (
-        dep.filter(pl.col("field").is_in(STATE_FIELDS))
-        .join(rank_origin, on=["domain", "rank"], how="left")
-        .join(domain_origin, on="domain", how="left")
-    )
-    # Only before any step/RNG/data disagreement: after one, state differences are its consequence (divergence).
-    state = state.filter(
-        pl.when(pl.col("minority"))
-        .then(pl.col("origin_step").is_null() | (pl.col("step") < pl.col("origin_step")))
-        .otherwise(pl.col("domain_origin").is_null() | (pl.col("step") < pl.col("domain_origin")))
-    ).drop("origin_step", "domain_origin")
+    # Only before any step/RNG/data disagreement (after one, state differences are its consequence), and only
+    # departures one device's fault can explain (`state_departures`: the others are divergence).
+    state = state_departures(frames, dep).filter(~pl.col("divergent")).drop("onset", "divergent")
     if state.height == 0:
         return []
     incidents = build_incidents(

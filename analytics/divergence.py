@@ -174,22 +174,83 @@ def first_origin_steps(departures: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def state_departures(frames: Frames, departures: pl.DataFrame) -> pl.DataFrame:
+    """The parameter / optimizer-state departures that no step / RNG / data disagreement precedes, each with
+    `divergent`: whether the departure is the replica's training process parting ways (divergence) rather than a
+    wrong value in one device's memory (corruption).
+
+    Under data parallelism every replica applies the same all-reduced gradient, so a value corrupted on one device
+    (a flipped parameter bit) changes that rank's parameter hash only: its optimizer state, a function of the shared
+    gradients, still agrees, and no other device is touched. A departure is therefore divergent when
+    - its parameter AND optimizer hashes depart at the same first fingerprint (the replica applied another update:
+      a skipped or doubled step, another gradient, another learning rate), or
+    - the same data-parallel coordinate departs in two or more consistency domains (every shard of a replica: one
+      device's fault cannot reach the others' memory). Without a majority (two replicas) the coordinate is unknown,
+      so two or more domains splitting on state at all counts.
+    A blamed rank's departure counts before its own first origin disagreement, an unblamed one before its domain's.
+    """
+    schema = {**DEPARTURE_SCHEMA, "onset": pl.Int64, "divergent": pl.Boolean}
+    if departures.height == 0:
+        return pl.DataFrame(schema=schema)
+    rank_origin = first_origin_steps(departures)
+    domain_origin = rank_origin.group_by("domain").agg(pl.col("origin_step").min().alias("domain_origin"))
+    state = (
+        departures.filter(pl.col("field").is_in(STATE_FIELDS))
+        .join(rank_origin, on=["domain", "rank"], how="left")
+        .join(domain_origin, on="domain", how="left")
+        .filter(
+            pl.when(pl.col("minority"))
+            .then(pl.col("origin_step").is_null() | (pl.col("step") < pl.col("origin_step")))
+            .otherwise(pl.col("domain_origin").is_null() | (pl.col("step") < pl.col("domain_origin")))
+        )
+        .drop("origin_step", "domain_origin")
+    )
+    if state.height == 0:
+        return pl.DataFrame(schema=schema)
+    key = ["domain", "rank", "minority"]
+    state = state.with_columns(pl.col("step").min().over(key).alias("onset"))
+    per = (
+        state.group_by(key)
+        .agg(pl.col("onset").first(),
+             pl.col("field").filter(pl.col("step") == pl.col("onset")).n_unique().alias("at_onset"))
+        .join(_dp_of(frames, state), on="rank", how="left")
+    )
+    blamed_domains = pl.col("domain").filter(pl.col("minority")).n_unique().over("dp")
+    unblamed_domains = pl.col("domain").filter(~pl.col("minority")).n_unique()
+    per = per.with_columns(
+        (
+            (pl.col("at_onset") >= len(STATE_FIELDS))
+            | (pl.col("minority") & pl.col("dp").is_not_null() & (blamed_domains >= 2))
+            | (~pl.col("minority") & (unblamed_domains >= 2))
+        ).alias("divergent")
+    )
+    return state.join(per.select(*key, "divergent"), on=key, how="left").select(*schema).cast(schema)  # type: ignore[arg-type]
+
+
 def detect_divergence(frames: Frames, config: DivergenceConfig = DivergenceConfig()) -> tuple[Incident, ...]:
     """Divergence incidents from the fingerprints: who departed first, on which fields, since which step.
 
     `onset_step` = `detection_step` = the first fingerprint step showing the departure (fingerprints are the only
     evidence, so the fault may lie anywhere since the previous fingerprint). `fields` lists every field the
     subject disagreed on from then on, plus 'after_restart' / 'after_checkpoint_load' when a restart or checkpoint
-    load preceded the onset.
+    load preceded the onset. A state departure with no step / RNG / data disagreement before it is divergence when
+    `state_departures` calls it divergent (cause `STATE_MISMATCH`), else corruption (`analytics.corruption`).
     """
     dep = fingerprint_departures(frames, min_majority_members=config.min_majority_members)
     if dep.height == 0:
         return ()
     origin = first_origin_steps(dep)
     # departures from the rank's (domain's) first origin disagreement on; state fields before it are corruption
-    dep = dep.join(origin, on=["domain", "rank"], how="inner").filter(pl.col("step") >= pl.col("origin_step"))
+    # unless they are divergent themselves
+    parts = [dep.join(origin, on=["domain", "rank"], how="inner").filter(pl.col("step") >= pl.col("origin_step"))
+             .drop("origin_step")]
+    state = state_departures(frames, dep)
+    parts.append(state.filter(pl.col("divergent")).drop("onset", "divergent"))
+    dep = pl.concat([p.cast(DEPARTURE_SCHEMA) for p in parts]).unique(maintain_order=True)  # type: ignore[arg-type]
+    if dep.height == 0:
+        return ()
     return build_incidents(
-        frames, dep, klass=IncidentClass.DIVERGENCE, onset_fields=ORIGIN_FIELDS, config_blamed=config.blamed_confidence,
+        frames, dep, klass=IncidentClass.DIVERGENCE, onset_fields=FIELDS, config_blamed=config.blamed_confidence,
         config_unblamed=config.unblamed_confidence, what="diverged",
     )
 

@@ -95,6 +95,51 @@ def test_param_only_mismatch_is_corruption_not_divergence() -> None:
     assert inc.fields == ("param", "optim")
 
 
+def test_a_replica_whose_whole_state_departs_diverged() -> None:
+    """Parameters and optimizer state of every shard of one replica depart, step/RNG/data agreeing: the replica
+    applied another update (divergence), not a wrong value on one device (corruption)."""
+    topo, domains = _layout(dp=4, pp=4)
+    replica = [2 + 4 * p for p in range(4)]
+    fp = _fingerprints(domains, {(r, f): 30 for r in replica for f in ("param", "optim")})
+    frames = Frames.build(topology=topo, fingerprints=fp)
+    (inc,) = detect_divergence(frames)
+    assert (inc.klass, inc.subject.kind, inc.subject.id, inc.ranks) == (
+        IncidentClass.DIVERGENCE, SubjectKind.REPLICA, "dp=2", tuple(replica))
+    assert (inc.cause, inc.onset_step) == (Cause.STATE_MISMATCH, 30)
+    assert detect_corruption(frames) == ()
+
+
+def test_param_only_departure_on_every_shard_of_a_replica_diverged() -> None:
+    topo, domains = _layout(dp=4, pp=2)
+    replica = [1, 5]
+    frames = Frames.build(topology=topo, fingerprints=_fingerprints(domains, {(r, "param"): 20 for r in replica}))
+    (inc,) = detect_divergence(frames)
+    assert (inc.subject.kind, inc.subject.id, inc.cause) == (SubjectKind.REPLICA, "dp=1", Cause.STATE_MISMATCH)
+    assert detect_corruption(frames) == ()
+
+
+def test_one_rank_whose_param_and_optimizer_depart_at_once_diverged() -> None:
+    topo, domains = _layout(dp=4, pp=1)
+    frames = Frames.build(topology=topo, fingerprints=_fingerprints(domains, {(3, "param"): 20, (3, "optim"): 20}))
+    (inc,) = detect_divergence(frames)
+    assert (inc.subject.kind, inc.subject.id, inc.cause, inc.fields) == (
+        SubjectKind.RANK, "3", Cause.STATE_MISMATCH, ("param", "optim"))
+    assert detect_corruption(frames) == ()
+
+
+def test_two_replicas_splitting_on_state_in_every_domain_is_a_job_divergence() -> None:
+    topo, domains = _layout(dp=2, pp=2)
+    frames = Frames.build(topology=topo, fingerprints=_fingerprints(domains, {(1, "param"): 20, (3, "param"): 20}))
+    (inc,) = detect_divergence(frames)
+    assert (inc.subject.kind, inc.cause) == (SubjectKind.JOB, Cause.STATE_MISMATCH)
+    assert detect_corruption(frames) == ()
+    # one domain splitting on parameters only: a value on one device, nobody blamed
+    frames = Frames.build(topology=topo, fingerprints=_fingerprints(domains, {(1, "param"): 20}))
+    assert detect_divergence(frames) == ()
+    (inc,) = detect_corruption(frames)
+    assert (inc.subject.kind, inc.cause) == (SubjectKind.DOMAIN, Cause.VALUE_MISMATCH)
+
+
 def test_shifted_step_counter() -> None:
     topo, domains = _layout(dp=4, pp=1)
     fp = _fingerprints(domains)
