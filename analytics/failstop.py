@@ -1,20 +1,31 @@
-"""Fail-stop and hang: which rank stopped (or stopped progressing) first, and how.
+"""Fail-stop and hang: which rank stopped (or stopped progressing) first, and how; or that the whole job did.
 
 What the telemetry shows when a rank goes (see trainer/canary.py and collector/collector.py):
 
-- `os._exit` or SIGKILL: nothing at all from the victim; its steps and heartbeats just end. Peers block in their
-  next collective with it, and after the process-group timeout write error rows and exception events naming the
-  collective; the launcher then SIGTERMs the rest (signal + exit events).
-- SIGTERM or an exception of its own: a signal / exception + exit event, BEFORE any peer's error.
-- hang: the training thread blocks at a step start; heartbeats go on; peers block in their next collective with it.
-- a launcher (or the operator) may kill everyone at once, so nobody writes anything: then only the peers' open
-  collectives (entered, never left) tell who they were waiting for.
+- `os._exit` or SIGKILL: nothing at all from the victim; its steps and heartbeats just end (rows of its last
+  flush interval may be lost with it). Peers block in their next collective with it, and after the process-group
+  timeout write error rows and exception events; the launcher then SIGTERMs the rest (signal + exit events).
+- SIGTERM or an exception of its own: a signal / exception + exit event, about when its peers start to fail.
+- hang: the training thread blocks, outside any collective or inside one the other members of its group got past;
+  heartbeats go on; peers block in their next collective with it.
+- the launcher (or the operator, or the scheduler) may kill every rank at once: a SIGTERM event on every rank, or,
+  for SIGKILL, nothing at all: every rank's telemetry just ends, mid-step.
 
-So survivors' exception and signal events are consequences, never evidence against them. The culprit is, in order
-of the evidence used: the rank(s) whose own terminal event came first (before any consequence, and not as part of
-a job-wide kill); else the root of the wait graph built from blocked collectives (a member of a blocked
-operation's group that is not itself blocked anywhere, or one stuck in an operation its group has moved past);
-else a rank silent for a long time while others were still heard; else the rank with the least progress.
+A clean end is an exit event with code 0 from every rank. Survivors' exception, error and signal rows are
+consequences, never evidence against them, but they say what they react to. The culprit is, in order of the
+evidence used:
+
+1. the rank the survivors' errors name: a peer rank in their exception or collective error messages ("connection
+   closed by peer ... (rank 11)"), the most named first, following a chain to its end;
+2. the rank(s) whose own abnormal terminal event came first, from a rank that was neither reacting (no failed
+   collective, no peer named) nor already waiting in a collective;
+3. the root of the wait graph of blocked collectives (`_by_wait_graph`);
+4. a rank silent for much longer than the rest of the job (`_silent`).
+
+When there is none and the job itself stopped abnormally (a signal or abnormal exit on most ranks at once; or no
+terminal event anywhere and every rank's telemetry ending at about the same time, mid-step), the incident is the
+job's. A run that stops on every rank at the same step boundary with nothing open and nothing written (a copy cut
+at a step) gives nothing; a live window cut mid-step looks like a SIGKILLed job (`FailStopConfig.run_over`).
 """
 
 from __future__ import annotations
@@ -27,42 +38,59 @@ from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.collector.schema import EventKind
 
+__all__ = ["FailStopConfig", "detect_failstops"]
+
 _P2P_OPS = ("send", "recv", "isend", "irecv")
 _TERMINAL = (str(EventKind.EXIT), str(EventKind.SIGNAL), str(EventKind.EXCEPTION))
+_NAMED_RANK = r"(?i)\brank\s*[=:#]?\s*\d+"
+"""A rank named in an error message: gloo's "(rank 11)", torch's "Rank 3 failed to pass monitoredBarrier"; a
+reporter naming itself (NCCL's "[Rank 3] Watchdog ...") is left out."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FailStopConfig:
     stall_heartbeats: float = 5.0
-    """A rank is stalled / silent after this many heartbeat intervals without progress / without a sign of life."""
+    """A rank is stalled / silent after this many heartbeat intervals without progress / without a sign of life
+    (more than the collector's flush interval, whose rows a killed rank may lose)."""
     stall_step_factor: float = 5.0
     """... and at least this many median step durations (long steps are not stalls)."""
     simultaneous_fraction: float = 0.1
     """Terminal events of several ranks within this fraction of a heartbeat interval of the first are one cause
-    (a host going down); when they cover more than half the ranks it is a job-wide kill and blames nobody."""
+    (a host going down)."""
+    job_window_heartbeats: float = 1.0
+    """Abnormal terminal events on more than half the ranks within this many heartbeat intervals of the first are
+    one job-wide stop (a launcher's SIGTERM reaches every rank about at once) that blames no rank."""
+    run_over: bool = True
+    """The frames are of a run that is over (a post-mortem): telemetry that ends mid-step on every rank at once,
+    with no terminal event, is a job killed from outside. False for a live window, where it is the present."""
     event_confidence: float = 0.95
-    """The culprit wrote its own terminal event before anyone else reacted."""
+    """The culprit wrote its own terminal event before anyone else reacted, or the survivors' errors name it."""
     graph_confidence: float = 0.9
     """The culprit is the root of the wait graph of blocked collectives."""
     fallback_confidence: float = 0.7
-    """The culprit was chosen by silence or least progress only."""
+    """The culprit was chosen by silence only."""
+    job_confidence: float = 0.8
+    """The job stopped at once with no rank to blame."""
 
     def __post_init__(self) -> None:
         if self.stall_heartbeats <= 0 or self.stall_step_factor <= 0:
             raise ValueError("FailStopConfig: stall_heartbeats and stall_step_factor must be > 0")
         if not 0 <= self.simultaneous_fraction < 1:
             raise ValueError(f"FailStopConfig.simultaneous_fraction must be in [0, 1), got {self.simultaneous_fraction}")
-        for name in ("event_confidence", "graph_confidence", "fallback_confidence"):
+        if self.job_window_heartbeats <= 0:
+            raise ValueError(f"FailStopConfig.job_window_heartbeats must be > 0, got {self.job_window_heartbeats}")
+        for name in ("event_confidence", "graph_confidence", "fallback_confidence", "job_confidence"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"FailStopConfig.{name} must be in [0, 1], got {getattr(self, name)}")
 
 
 def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) -> tuple[Incident, ...]:
-    """FAIL_STOP and HANG incidents, one per culprit rank. Peers that blocked or errored waiting are not incidents;
-    a run that finished cleanly, or is still progressing everywhere, gives none.
+    """FAIL_STOP and HANG incidents, one per culprit rank, or one FAIL_STOP of the job when the job stopped at once
+    with no rank to blame. Peers that blocked or errored waiting are not incidents; a run that finished cleanly, or
+    is still progressing everywhere, gives none.
 
     `onset_step` = `detection_step` = the culprit's last completed step + 1 (a fail-stop is known as soon as peers
-    block on it)."""
+    block on it); for the job, the newest step in progress."""
     live = frames.liveness
     if live.height == 0:
         return ()
@@ -70,34 +98,39 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
     stall, block = _stall_ns(frames, config), _block_ns(frames, config)
     start = _attempt_start(frames)
     events = _latest_attempt_events(frames)
-    blocked = _blocked(frames, start, now, block)
     terminal = events.filter(pl.col("kind").is_in(_TERMINAL))
     abnormal = terminal.filter(
         (pl.col("kind") != str(EventKind.EXIT)) | (pl.col("exit_code").fill_null(0) != 0)
     )
-
     exits = events.filter(pl.col("kind") == str(EventKind.EXIT))
-    clean = exits.filter(pl.col("exit_code") == 0)["rank"].n_unique() >= live["rank"].n_unique() and abnormal.height == 0
-    if clean:
-        return ()
-    quiet = blocked.height == 0 and abnormal.height == 0 and frames.collective_errors.height == 0
-    if quiet and live["last_step"].n_unique() == 1:
-        return ()  # every rank at the same last step with nothing open: a run that ended (or was stopped) cleanly
-    progressing = live["last_step_end_wall_ns"].fill_null(0) >= now - stall
-    if quiet and bool(progressing.all()):
-        return ()  # a live window: everyone is still completing steps
+    if exits.filter(pl.col("exit_code") == 0)["rank"].n_unique() >= live["rank"].n_unique() and abnormal.height == 0:
+        return ()  # every rank exited cleanly
+    world = max(frames.world_size, live.height)
+    blocked = _blocked(frames, start, now, block)
+    errors = _since_attempt(frames.collective_errors, start, "exit_wall_ns")
+    named = _named_peers(events, errors, world)
+    silent = _silent(live, stall)
 
-    method, culprits = _by_events(frames, terminal, blocked, config)
+    culprits: set[int] = set()
+    method = ""
+    if abnormal.height or errors.height or blocked.height or silent:
+        rules = (
+            ("named by peers", lambda: _by_named(named)),
+            ("events", lambda: _by_events(frames, abnormal, errors, named, blocked, silent, world, config)),
+            ("wait graph", lambda: _by_wait_graph(blocked, live)),
+            ("silence", lambda: silent),
+        )
+        for method, rule in rules:
+            culprits = rule()
+            if culprits:
+                break
     if not culprits:
-        method, culprits = "wait graph", _by_wait_graph(blocked)
-    if not culprits:
-        method, culprits = "silence", _by_silence(live, now, stall)
-    if not culprits:
-        method, culprits = "least progress", _by_progress(live)
-    confidence = {"events": config.event_confidence, "wait graph": config.graph_confidence}.get(
-        method, config.fallback_confidence)
+        job = _job_stop(frames, start, terminal, abnormal, world, config)
+        return (_job_incident(frames, job, events, blocked, config),) if job is not None else ()
+    confidence = {"events": config.event_confidence, "named by peers": config.event_confidence,
+                  "wait graph": config.graph_confidence}.get(method, config.fallback_confidence)
     return tuple(
-        _incident(frames, r, method, confidence, events, blocked, stall, block) for r in sorted(culprits)
+        _incident(frames, r, method, confidence, events, errors, blocked, stall, block, silent) for r in sorted(culprits)
     )
 
 
@@ -125,6 +158,15 @@ def _attempt_start(frames: Frames) -> pl.DataFrame:
     return topo.group_by("rank").agg(pl.col("start_wall_ns").max().alias("attempt_start"))
 
 
+def _since_attempt(rows: pl.DataFrame, start: pl.DataFrame, wall: str) -> pl.DataFrame:
+    """The rows of each rank's latest attempt (`wall` at or after its start)."""
+    if not start.height or not rows.height:
+        return rows
+    return rows.join(start, on="rank", how="left").filter(
+        pl.col("attempt_start").is_null() | (pl.col(wall) >= pl.col("attempt_start"))
+    ).drop("attempt_start")
+
+
 def _latest_attempt_events(frames: Frames) -> pl.DataFrame:
     ev = frames.events
     latest = frames.liveness.select("rank", pl.col("attempt").alias("_latest"))
@@ -148,91 +190,212 @@ def _blocked(frames: Frames, start: pl.DataFrame, now: int, block: int) -> pl.Da
         "rank", "step", "op", "group", "group_ranks", "group_seq", pl.lit(None, dtype=pl.Int32).alias("peer"),
         pl.col("exit_wall_ns").alias("wall_ns"), pl.lit("error").alias("state"),
     )
-    rows = pl.concat([opened.select(cols), errors.select(cols)])
-    if start.height:
-        rows = rows.join(start, on="rank", how="left").filter(
-            pl.col("attempt_start").is_null() | (pl.col("wall_ns") >= pl.col("attempt_start"))
-        ).drop("attempt_start")
+    rows = _since_attempt(pl.concat([opened.select(cols), errors.select(cols)]), start, "wall_ns")
     return rows.unique(["rank", "group", "group_seq"], keep="first", maintain_order=True)
 
 
-# -- culprit rules ------------------------------------------------------------------------------------------------------
-
-def _by_events(frames: Frames, terminal: pl.DataFrame, blocked: pl.DataFrame,
-               config: FailStopConfig) -> tuple[str, set[int]]:
-    """Ranks whose own terminal event is the first thing that happened: before any consequence (a collective error
-    or an exception raised from a collective) and not part of a job-wide kill."""
-    if terminal.height == 0:
-        return "events", set()
-    consequence = terminal.filter(
-        (pl.col("kind") == str(EventKind.EXCEPTION)) & pl.col("collective_op").is_not_null()
-    )["wall_ns"].min()
-    first_error = frames.collective_errors["exit_wall_ns"].min()
-    firsts = terminal.group_by("rank").agg(pl.col("wall_ns").min().alias("t")).sort("t")
-    t0 = int(firsts["t"][0])
-    window = int(config.simultaneous_fraction * frames.heartbeat_interval_ns)
-    cluster = terminal.filter(pl.col("wall_ns") <= t0 + window)
-    primary = cluster.filter(
-        (pl.col("kind") != str(EventKind.EXCEPTION)) | pl.col("collective_op").is_null()
+def _named_peers(events: pl.DataFrame, errors: pl.DataFrame, world: int) -> pl.DataFrame:
+    """(reporter, named, wall_ns): a rank named in another rank's exception or collective error message."""
+    msgs = pl.concat([
+        events.filter((pl.col("kind") == str(EventKind.EXCEPTION)) & pl.col("message").is_not_null())
+        .select(pl.col("rank").alias("reporter"), "wall_ns", "message"),
+        errors.filter(pl.col("error").is_not_null())
+        .select(pl.col("rank").alias("reporter"), pl.col("exit_wall_ns").alias("wall_ns"), pl.col("error").alias("message")),
+    ])
+    out = (
+        msgs.with_columns(pl.col("message").str.extract_all(_NAMED_RANK).alias("named"))
+        .explode("named")
+        .with_columns(pl.col("named").str.extract(r"(\d+)$", 1).cast(pl.Int64))
+        .filter(pl.col("named").is_not_null() & (pl.col("named") != pl.col("reporter")) & (pl.col("named") < world))
     )
-    first_consequence = _earliest(consequence, first_error)
-    if first_consequence is not None:
-        primary = primary.filter(pl.col("wall_ns") <= first_consequence)
-    ranks = set(int(r) for r in primary["rank"].unique())
-    world = max(frames.world_size, frames.liveness.height)
-    if not ranks or 2 * len(ranks) > world:
-        return "events", set()
-    waiting = set(int(r) for r in blocked.filter(pl.col("wall_ns") < t0)["rank"].unique())
-    return "events", ranks - waiting
+    return out.select("reporter", pl.col("named").cast(pl.Int32), "wall_ns")
 
 
-def _by_wait_graph(blocked: pl.DataFrame) -> set[int]:
-    """Roots of the wait graph: members awaited by a blocked operation that are not blocked anywhere themselves,
-    and members stuck in an operation every other blocked member of the group has moved past."""
-    if blocked.height == 0:
-        return set()
-    waiting = set(int(r) for r in blocked["rank"].unique())
-    is_p2p = pl.col("op").is_in(_P2P_OPS) | pl.col("peer").is_not_null()
-    p2p = blocked.filter(is_p2p & pl.col("peer").is_not_null())
-    awaited = set(int(r) for r in p2p["peer"].unique())
-    coll = blocked.filter(~is_p2p)
-    if coll.height:
-        in_group = coll.select("group", "rank").unique()
-        members = coll.select("group", pl.col("group_ranks").alias("rank")).explode("rank").unique()
-        missing = members.join(in_group, on=["group", "rank"], how="anti")
-        awaited |= set(int(r) for r in missing["rank"].unique())
-    roots = awaited - waiting
-    if coll.height:
-        spans = coll.group_by("group", "rank").agg(pl.col("group_seq").min().alias("lo"),
-                                                    pl.col("group_seq").max().alias("hi"))
-        behind = spans.with_columns(pl.col("lo").max().over("group").alias("group_lo")).filter(
-            pl.col("hi") < pl.col("group_lo")
-        )
-        roots |= set(int(r) for r in behind["rank"].unique())
-    return roots
-
-
-def _by_silence(live: pl.DataFrame, now: int, stall: int) -> set[int]:
+def _silent(live: pl.DataFrame, stall: int) -> set[int]:
+    """Ranks last heard from more than `stall` before most of the job (its lower quartile of last signs of life:
+    a job killed at once loses up to a flush interval of rows on each rank, so the newest rank is no reference)."""
     seen = live.select("rank", pl.col("last_seen_wall_ns").fill_null(0).alias("seen"))
-    newest = int(seen["seen"].max())  # type: ignore[arg-type]
-    silent = seen.filter((pl.col("seen") < now - stall) & (pl.col("seen") < newest - stall))
+    ref = seen["seen"].quantile(0.25, interpolation="lower")
+    if ref is None:
+        return set()
+    silent = seen.filter(pl.col("seen") < float(ref) - stall)  # type: ignore[arg-type]
     if 2 * silent.height >= live.height:
         return set()
     return set(int(r) for r in silent["rank"])
 
 
-def _by_progress(live: pl.DataFrame) -> set[int]:
-    lo, hi = live["last_step"].min(), live["last_step"].max()
-    if lo is None or lo == hi:
+# -- culprit rules ------------------------------------------------------------------------------------------------------
+
+def _by_named(named: pl.DataFrame) -> set[int]:
+    """The ranks the survivors' errors name: named by at least half as many reporters as the most named one (and by
+    two, where two reported), less those that themselves name another such rank (they reacted too)."""
+    if named.height == 0:
         return set()
-    least = live.filter(pl.col("last_step") == lo)
-    return set(int(r) for r in least["rank"]) if 2 * least.height < live.height else set()
+    votes = named.group_by("named").agg(pl.col("reporter").n_unique().alias("votes"))
+    top = int(votes["votes"].max())  # type: ignore[arg-type]
+    floor = max(min(2, named["reporter"].n_unique()), (top + 1) // 2)
+    candidates = set(int(r) for r in votes.filter(pl.col("votes") >= floor)["named"])
+    reacting = set(int(r) for r in named.filter(
+        pl.col("reporter").is_in(list(candidates)) & pl.col("named").is_in(list(candidates))
+    )["reporter"])
+    roots = candidates - reacting
+    return roots or set(int(r) for r in votes.filter(pl.col("votes") == top)["named"])
+
+
+def _by_events(frames: Frames, abnormal: pl.DataFrame, errors: pl.DataFrame, named: pl.DataFrame,
+               blocked: pl.DataFrame, silent: set[int], world: int, config: FailStopConfig) -> set[int]:
+    """Ranks whose own abnormal terminal event came first: from a rank neither reacting (a failed collective of
+    its own, a peer named in its errors) nor already blocked in a collective when it happened, about no later than
+    the first reaction (within a heartbeat: host clocks differ), after no other rank had gone silent (then it is a
+    reaction to that one, whatever it says), and not part of a job-wide stop."""
+    reacting = set(int(r) for r in errors["rank"].unique()) | set(int(r) for r in named["reporter"].unique())
+    own = abnormal.filter(~pl.col("rank").is_in(list(reacting)))
+    if own.height == 0:
+        return set()
+    first_block = blocked.group_by("rank").agg(pl.col("wall_ns").min().alias("_blocked"))
+    own = own.join(first_block, on="rank", how="left").filter(
+        pl.col("_blocked").is_null() | (pl.col("wall_ns") < pl.col("_blocked"))
+    )
+    if own.height == 0:
+        return set()
+    firsts = own.group_by("rank").agg(pl.col("wall_ns").min().alias("t")).sort("t")
+    t0 = int(firsts["t"][0])
+    gone = frames.liveness.filter(pl.col("rank").is_in(list(silent)))["last_seen_wall_ns"].min()
+    if gone is not None and int(gone) < t0:  # type: ignore[arg-type]
+        return set()
+    cluster = firsts.filter(pl.col("t") <= t0 + int(config.simultaneous_fraction * frames.heartbeat_interval_ns))
+    reactions = abnormal.filter(pl.col("rank").is_in(list(reacting)))["wall_ns"].min()
+    first_reaction = _earliest(reactions, errors["exit_wall_ns"].min())
+    if first_reaction is not None and t0 > first_reaction + frames.heartbeat_interval_ns:
+        return set()  # it came after the others failed: a reaction to them (a launcher's SIGTERM)
+    if 2 * cluster.height > world:
+        return set()
+    return set(int(r) for r in cluster["rank"])
+
+
+def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame) -> set[int]:
+    """Roots of the wait graph. A blocked rank waits for each member of its operation's group that is not inside the
+    same operation (group, group_seq) and has not completed the operation's step (for a point-to-point operation,
+    its peer). The roots are: ranks waited for that are not blocked anywhere (dead, or stuck outside collectives);
+    else ranks blocked in an operation every other member of which got past (stuck inside it); else, in a cycle
+    (a rank stuck inside an operation its peers left for the next one, in the same step), the ranks that blocked
+    before every rank they wait for."""
+    if blocked.height == 0:
+        return set()
+    is_p2p = pl.col("op").is_in(_P2P_OPS) | pl.col("peer").is_not_null()
+    ops = blocked.with_columns(
+        pl.when(is_p2p & pl.col("peer").is_not_null()).then(pl.concat_list(pl.col("peer")))
+        .when(is_p2p).then(pl.lit([], dtype=pl.List(pl.Int32)))
+        .otherwise(pl.col("group_ranks")).alias("_members"),
+        is_p2p.alias("_p2p"),
+    )
+    present = ops.filter(~pl.col("_p2p")).select("group", "group_seq", pl.col("rank").alias("m")).unique()
+    last = live.select(pl.col("rank").alias("m"), pl.col("last_step").alias("_m_last"))
+    pairs = (
+        ops.select("rank", "step", "group", "group_seq", "wall_ns", "_p2p", pl.col("_members").alias("m"))
+        .explode("m")
+        .filter(pl.col("m").is_not_null() & (pl.col("m") != pl.col("rank")))
+        .join(present, on=["group", "group_seq", "m"], how="anti")
+        .join(last, on="m", how="left")
+        .with_columns((pl.col("_m_last").fill_null(-1) >= pl.col("step")).alias("_passed"))
+    )
+    waiting = set(int(r) for r in blocked["rank"].unique())
+    edges = pairs.filter(~pl.col("_passed"))
+    roots = set(int(r) for r in edges["m"].unique()) - waiting
+    if roots:
+        return roots
+    behind = pairs.group_by("rank", "group", "group_seq").agg(pl.col("_passed").all().alias("_all"))
+    stuck = set(int(r) for r in behind.filter(pl.col("_all"))["rank"].unique())
+    if stuck:
+        return stuck
+    if edges.height == 0:
+        return set()
+    entered = blocked.group_by("rank").agg(pl.col("wall_ns").min().alias("_t"))
+    first = (
+        edges.select("rank", "m").unique()
+        .join(entered.rename({"rank": "m", "_t": "_m_t"}), on="m", how="left")
+        .group_by("rank").agg(pl.col("_m_t").min().alias("_m_t"))
+        .join(entered, on="rank", how="left")
+        .filter(pl.col("_t") < pl.col("_m_t"))
+    )
+    awaited = set(int(r) for r in edges["m"].unique())
+    return set(int(r) for r in first["rank"]) & awaited
+
+
+def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnormal: pl.DataFrame, world: int,
+              config: FailStopConfig) -> tuple[Cause, str] | None:
+    """How the job itself stopped, when it stopped abnormally at once: a signal or abnormal exit on more than half
+    the ranks within `job_window_heartbeats`; or (`run_over`) no terminal event anywhere and telemetry that ends
+    mid-step (an operation open, or ranks at different last steps) on every rank."""
+    live = frames.liveness
+    if abnormal.height:
+        firsts = abnormal.group_by("rank").agg(pl.col("wall_ns").min().alias("t"), pl.col("kind"))
+        t0 = int(firsts["t"].min())  # type: ignore[arg-type]
+        window = int(config.job_window_heartbeats * frames.heartbeat_interval_ns)
+        together = abnormal.filter(pl.col("wall_ns") <= t0 + window)
+        if 2 * together["rank"].n_unique() <= world:
+            return None
+        if together.filter(pl.col("kind") == str(EventKind.SIGNAL)).height:
+            sig = together.filter(pl.col("kind") == str(EventKind.SIGNAL))["signal"].drop_nulls()
+            what = f"signal {int(sig.mode()[0])}" if sig.len() else "a signal"
+            return Cause.SIGNAL, (f"{what} on {together['rank'].n_unique()} of {world} ranks within "
+                                  f"{(int(together['wall_ns'].max()) - t0) / 1e6:.0f} ms, nobody failing first: "  # type: ignore[arg-type]
+                                  f"the job was stopped from outside")
+        cause = Cause.EXCEPTION if together.filter(pl.col("kind") == str(EventKind.EXCEPTION)).height else Cause.EXIT
+        return cause, (f"{cause} on {together['rank'].n_unique()} of {world} ranks at once, nobody failing first")
+    if terminal.height or not config.run_over:
+        return None
+    open_now = _since_attempt(frames.open_collectives, start, "enter_wall_ns")
+    if open_now.height == 0 and live["last_step"].n_unique() <= 1:
+        return None  # every rank at one step boundary with nothing open: a run cut at a step, not a kill
+    return Cause.VANISHED, (f"no rank wrote an exit, signal or exception event, yet {open_now['rank'].n_unique()} "
+                            f"rank(s) were inside a collective and the ranks' last steps range over "
+                            f"{live['last_step'].min()}..{live['last_step'].max()} when every rank's telemetry "
+                            f"ended together: the job was killed from outside (SIGKILL, a lost node or power)")
 
 
 # -- incidents ---------------------------------------------------------------------------------------------------------
 
+def _job_incident(frames: Frames, job: tuple[Cause, str], events: pl.DataFrame, blocked: pl.DataFrame,
+                  config: FailStopConfig) -> Incident:
+    cause, how = job
+    live = frames.liveness
+    ranks = tuple(sorted(int(r) for r in live["rank"]))
+    onset = int(live["last_step"].max()) + 1  # type: ignore[arg-type]
+    evidence = [Evidence(
+        source="liveness", summary="how far each rank got and when it was last heard from (the earliest first)",
+        columns=("rank", "attempt", "last_step", "last_step_end_wall_ns", "last_heartbeat_wall_ns",
+                 "last_seen_wall_ns"),
+        rows=tuple(live.sort("last_seen_wall_ns", "rank").select(
+            "rank", "attempt", "last_step", "last_step_end_wall_ns", "last_heartbeat_wall_ns", "last_seen_wall_ns",
+        ).head(20).iter_rows()),
+    )]
+    term = events.filter(pl.col("kind").is_in(_TERMINAL))
+    if term.height:
+        evidence.append(Evidence(
+            source="events", summary="terminal events in time order",
+            columns=("rank", "wall_ns", "kind", "signal", "exit_code", "exc_type"),
+            rows=tuple(term.select("rank", "wall_ns", "kind", "signal", "exit_code", "exc_type").head(20).iter_rows()),
+        ))
+    opened = frames.open_collectives
+    if opened.height:
+        evidence.append(Evidence(
+            source="open_collectives", summary="collectives ranks were inside when the telemetry ended",
+            columns=("rank", "step", "op", "group", "group_seq", "enter_wall_ns"),
+            rows=tuple(opened.sort("enter_wall_ns").select("rank", "step", "op", "group", "group_seq", "enter_wall_ns")
+                       .head(20).iter_rows()),
+        ))
+    summary = f"the job stopped in step {onset} on all {len(ranks)} ranks: {how}"
+    return Incident(
+        klass=IncidentClass.FAIL_STOP, subject=Subject(kind=SubjectKind.JOB, id="job"), ranks=ranks, onset_step=onset,
+        detection_step=onset, confidence=config.job_confidence, cause=cause, summary=summary,
+        detection_wall_ns=int(live["last_seen_wall_ns"].max()) if live["last_seen_wall_ns"].max() is not None else None,  # type: ignore[arg-type]
+        fields=(str(cause),), evidence=tuple(evidence), attempt=int(live["attempt"].max()) if live["attempt"].max() is not None else None,  # type: ignore[arg-type]
+    )
+
+
 def _incident(frames: Frames, rank: int, method: str, confidence: float, events: pl.DataFrame,
-              blocked: pl.DataFrame, stall: int, block: int) -> Incident:
+              errors: pl.DataFrame, blocked: pl.DataFrame, stall: int, block: int, silent: set[int]) -> Incident:
     row = frames.liveness.filter(pl.col("rank") == rank)
     liv = row.row(0, named=True) if row.height else {}
     last_step = liv.get("last_step")
@@ -243,21 +406,15 @@ def _incident(frames: Frames, rank: int, method: str, confidence: float, events:
     own_terminal = own.filter(pl.col("kind").is_in(_TERMINAL))
     own_blocked = blocked.filter(pl.col("rank") == rank)
     reactions = [
-        frames.collective_errors.filter(pl.col("rank") != rank)["exit_wall_ns"].min(),
-        events.filter((pl.col("rank") != rank) & (pl.col("kind") == str(EventKind.EXCEPTION))
-                      & pl.col("collective_op").is_not_null())["wall_ns"].min(),
+        errors.filter(pl.col("rank") != rank)["exit_wall_ns"].min(),
+        events.filter((pl.col("rank") != rank) & (pl.col("kind") == str(EventKind.EXCEPTION)))["wall_ns"].min(),
     ]
     first_reaction = _earliest(*reactions)
     own_t = _earliest(own_terminal["wall_ns"].min())
     hb = frames.heartbeat_interval_ns
     alive_after = (heartbeat - step_end) if heartbeat is not None and step_end is not None else None
-    others_seen = frames.liveness.filter(pl.col("rank") != rank)["last_seen_wall_ns"].median()
-    seen = liv.get("last_seen_wall_ns")
-    # alive = heard from as late as its peers (within 1.5 heartbeats) and beating well past its last step
-    alive = (
-        alive_after is not None and alive_after > max(1.5 * hb, block)
-        and (others_seen is None or seen is None or seen >= float(others_seen) - 1.5 * hb)  # type: ignore[arg-type]
-    )
+    # alive = not silent (heard from about as late as most of the job) and beating well past its last step
+    alive = alive_after is not None and alive_after > max(1.5 * hb, block) and rank not in silent
     # its own event right after its last step is how it stopped; one long after (a launcher's SIGTERM) is not
     prompt = own_t is not None and (step_end is None or own_t <= step_end + stall)
     first = own_t is not None and (first_reaction is None or own_t <= first_reaction)
@@ -326,7 +483,7 @@ def _earliest(*times: object) -> int | None:
 
 
 def _event_cause(own_terminal: pl.DataFrame) -> Cause:
-    kinds = own_terminal.filter(~((pl.col("kind") == str(EventKind.EXCEPTION)) & pl.col("collective_op").is_not_null()))
+    kinds = own_terminal
     if kinds.filter((pl.col("kind") == str(EventKind.EXCEPTION)) & (pl.col("exc_type") != "SystemExit")).height:
         return Cause.EXCEPTION
     if kinds.filter(pl.col("kind") == str(EventKind.SIGNAL)).height:

@@ -141,11 +141,15 @@ def test_clean_finished_run_gives_nothing() -> None:
     assert detect_failstops(frames) == ()
 
 
-def test_live_window_gives_nothing() -> None:
+def test_live_window_gives_nothing_and_the_same_run_over_is_a_killed_job() -> None:
     last = {0: 49, 1: 49, 2: 48, 3: 49}  # rank 2 a step behind and inside a collective right now
     frames = Frames.build(steps=_steps(last), liveness=_liveness(last, {r: 50 for r in range(4)}),
                           open_collectives=pl.DataFrame([_coll(2, "dp0", 98, 49.8, step=49)]), end_wall_ns=50 * S)
-    assert detect_failstops(frames) == ()
+    assert detect_failstops(frames, FailStopConfig(run_over=False)) == ()
+    # a post-mortem of the same telemetry: every rank's telemetry ends at once mid-step, nothing wrote an exit
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.kind, inc.ranks, inc.onset_step) == (
+        IncidentClass.FAIL_STOP, SubjectKind.JOB, (0, 1, 2, 3), 50)
 
 
 def test_config_validation() -> None:
