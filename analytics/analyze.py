@@ -21,6 +21,7 @@ from rankwatch.analytics.divergence import detect_divergence
 from rankwatch.analytics.replay import detect_replay_divergence
 from rankwatch.analytics.failstop import detect_failstops
 from rankwatch.analytics.frames import Clock, Frames
+from rankwatch.analytics.hardware import attribute_device_faults
 from rankwatch.analytics.incidents import Incident, sort_incidents, write_incidents
 from rankwatch.analytics.localize import RunObservation
 from rankwatch.analytics.queries import groups, load_frames, run_clock, topology
@@ -89,7 +90,9 @@ def _collect(warnings: tuple[str, ...]) -> None:
 
 def detect_all(frames: Frames, *, anomaly: bool = True, progress: Progress = _quiet,
                timings: list[tuple[str, float]] | None = None) -> tuple[Incident, ...]:
-    """Every detector over one bundle of frames; the anomaly model last, told what the others found."""
+    """Every detector over one bundle of frames; then the device-fault post-pass (incidents that direct hardware
+    evidence pins on one device name it, and failing devices nobody named are raised); the anomaly model last, told
+    what the others found."""
     found: list[Incident] = []
     stages: list[tuple[str, Callable[[Frames], tuple[Incident, ...]]]] = [
         ("fail-stop and hang", detect_failstops), ("transient stall", detect_transient_stalls),
@@ -103,6 +106,11 @@ def detect_all(frames: Frames, *, anomaly: bool = True, progress: Progress = _qu
         found.extend(detector(frames))
         if timings is not None:
             timings.append((name, time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    progress("attributing device faults")
+    found = list(attribute_device_faults(frames, found))
+    if timings is not None:
+        timings.append(("device faults", time.perf_counter() - t0))
     if anomaly:
         t0 = time.perf_counter()
         progress("anomaly model")

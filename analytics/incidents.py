@@ -3,7 +3,9 @@
 Every detector returns a tuple of `Incident`. An incident names its failure class, the subject at the level the
 evidence supports (a rank, a device, a host's input pipeline, an inter-host link, a pipeline stage, a data-parallel
 replica, the job), the ranks involved, when it started and when it could first be told, how sure the detector is,
-the cause when the evidence supports one, and the rows that support it.
+the cause when the evidence supports one, and the rows that support it. An incident whose device shows direct
+hardware evidence (`hardware`: throttling with clock loss, new uncorrectable ECC errors, hardware XIDs, corrected
+ECC errors rising on that device only) is a device fault (`device_fault`) and names the device as its subject.
 
 Incidents serialize to JSON (`to_json`) and to a parquet table (`incidents_table`) with one row per incident and
 the evidence as a JSON string column; `read_incidents` reads either back.
@@ -22,7 +24,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-INCIDENTS_VERSION = 1
+INCIDENTS_VERSION = 2
+"""2: `hardware` (and `device_fault`, derived from it) added; version-1 files read as incidents without hardware
+evidence."""
 EVIDENCE_ROWS_MAX = 20
 """Evidence keeps at most this many rows per item: enough to show the pattern, small enough to read."""
 
@@ -99,6 +103,25 @@ class Cause(StrEnum):
     VALUE_MISMATCH = "value_mismatch"
 
 
+class HardwareSignal(StrEnum):
+    """Direct evidence, from the device's own counters, that its hardware is at fault."""
+
+    THROTTLE = "throttle"
+    """Slowdown throttle reasons (thermal, power, hardware slowdown) on the device during its slow steps, not on its
+    peers."""
+    CLOCK_LOSS = "clock_loss"
+    """The device's SM clock (relative to its max) below its peers' during its slow steps, by enough to explain a
+    good part of the slowdown."""
+    ECC_DBE = "ecc_dbe"
+    """New uncorrectable (double-bit) ECC errors during the run."""
+    XID = "xid"
+    """Hardware XID events (memory, bus, NVLink faults; not application errors)."""
+    ECC_SBE_RISING = "ecc_sbe_rising"
+    """Corrected (single-bit) ECC errors rising during the run on this device, not on the others."""
+    ROW_REMAP = "row_remap"
+    """New remapped rows or retired pages during the run (the memory took a faulty row out of use)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Subject:
     """What the incident is about. `id` is the rank number, device UUID, host name, link name ('h0<->h1'),
@@ -134,7 +157,9 @@ class Incident:
     """One incident. `confidence` is in [0, 1]: 1 = the evidence admits no other reading, 0.5 = as likely as not.
     `onset_step` is the first step the fault shows in; `detection_step` the step by which the detector had enough
     evidence to raise it (onset + the persistence it requires); `detection_wall_ns` that step's wall-clock end.
-    `fields` names what disagreed or was abnormal (fingerprint fields, counters, signals)."""
+    `fields` names what disagreed or was abnormal (fingerprint fields, counters, signals). `hardware` is the direct
+    hardware evidence found on the subject device (an `Evidence` item shows the rows); non-empty only for a DEVICE
+    subject, and then the incident is a device fault."""
 
     klass: IncidentClass
     subject: Subject
@@ -148,15 +173,25 @@ class Incident:
     fields: tuple[str, ...] = ()
     evidence: tuple[Evidence, ...] = ()
     attempt: int | None = None
+    hardware: tuple[HardwareSignal, ...] = ()
     id: str = field(default="")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.confidence <= 1.0:
             raise ValueError(f"incident {self.klass} {self.subject}: confidence {self.confidence} outside [0, 1]")
+        if self.hardware and self.subject.kind is not SubjectKind.DEVICE:
+            raise ValueError(f"incident {self.klass} {self.subject}: hardware evidence {[str(h) for h in self.hardware]} "
+                             "names a device, but the subject is not one")
+        object.__setattr__(self, "hardware", tuple(dict.fromkeys(HardwareSignal(h) for h in self.hardware)))
         object.__setattr__(self, "ranks", tuple(sorted({int(r) for r in self.ranks})))
         if not self.id:
             key = f"{self.klass}|{self.subject}|{self.onset_step}|{','.join(map(str, self.ranks))}"
             object.__setattr__(self, "id", f"{self.klass}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
+
+    @property
+    def device_fault(self) -> bool:
+        """True when direct hardware evidence implicates the subject device (`hardware` is non-empty)."""
+        return bool(self.hardware)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -173,6 +208,8 @@ class Incident:
             "summary": self.summary,
             "fields": list(self.fields),
             "attempt": self.attempt,
+            "device_fault": self.device_fault,
+            "hardware": [str(h) for h in self.hardware],
             "evidence": [
                 {"source": e.source, "summary": e.summary, "columns": list(e.columns), "rows": [list(r) for r in e.rows]}
                 for e in self.evidence
@@ -195,6 +232,7 @@ class Incident:
                 summary=d["summary"],
                 fields=tuple(d.get("fields", ())),
                 attempt=d.get("attempt"),
+                hardware=tuple(HardwareSignal(h) for h in (d.get("hardware") or ())),
                 evidence=tuple(
                     Evidence(source=e["source"], summary=e["summary"], columns=tuple(e["columns"]),
                              rows=tuple(tuple(r) for r in e["rows"]))
@@ -223,6 +261,7 @@ _TABLE_SCHEMA = pa.schema([
     ("ranks", pa.list_(pa.int32())), ("onset_step", pa.int64()), ("detection_step", pa.int64()),
     ("detection_wall_ns", pa.int64()), ("confidence", pa.float64()), ("cause", pa.string()),
     ("summary", pa.string()), ("fields", pa.list_(pa.string())), ("attempt", pa.int32()), ("evidence", pa.string()),
+    ("device_fault", pa.bool_()), ("hardware", pa.list_(pa.string())),
 ])
 
 

@@ -19,15 +19,21 @@ A checkpoint's `step` is the last step whose update it contains.
 Branches, in the order `decide` takes them:
 
 - straggler: OBSERVE; a slow rank is not a failed rank. QUARANTINE (take out of future placement; the running job
-  is not stopped) only when recurrence across runs follows a device, host or link; recurrence that follows the rank
-  number points at its data shard or code path, and hardware quarantine would not help.
+  is not stopped: no kill, no rollback) when recurrence across runs follows a device, host or link, or when the
+  incident is a device fault (`Incident.device_fault`: direct hardware evidence from this run — throttling with
+  clock loss, new uncorrectable ECC errors, hardware XIDs, corrected ECC errors rising on that device only — named
+  the device). Recurrence that follows the rank number points at its data shard or code path, and hardware
+  quarantine would not help; a throttle cause without that evidence is observed.
 - imbalance: OBSERVE; a job-design issue (stage split, data skew), not a fault to recover from.
 - unclassified: OBSERVE; reported, not guessed.
+- a transient stall (hang, TRANSIENT_STALL): OBSERVE; the rank came back by itself. QUARANTINE of the device when
+  the incident is a device fault, as for a straggler.
 - divergence: roll the domain back (never retry), to the newest committed checkpoint taken before the onset (a
   checkpoint after the onset may hold the diverged state; integrity checks prove bytes, not values). Scope is the
   gate's domain, or the job without a gate or when the domain spans it. No such checkpoint: RESTART_JOB from 0.
-- corruption: as divergence; plus QUARANTINE in `also` when recurrence follows a device/host/link, or when the
-  incident is about a device and its cause is a hardware error (the device itself corroborates).
+- corruption: as divergence; plus QUARANTINE in `also` when recurrence follows a device/host/link, when the
+  incident is a device fault, or when it is about a device and its cause is a hardware error (the device itself
+  corroborates).
 - fail_stop / hang: the failed ranks are gone or stuck.
   - hang whose ranks came back (they answered the gate), gate AGREE, operation IDEMPOTENT: RETRY_OPERATION. No
     membership, device or state changes; lineage expects bitwise identity.
@@ -46,11 +52,13 @@ Branches, in the order `decide` takes them:
     FIXED_SHAPES, no gate, or a domain spanning the job: RESTART_JOB from the newest committed checkpoint; a proper
     sub-domain: ROLLBACK_DOMAIN with the membership action for the lost rank in `also` (RESTART_REPLICA on a spare,
     or REBUILD_GROUP without it). A hang whose ranks came back lost no process: ROLLBACK_DOMAIN.
-  - plus QUARANTINE in `also` when recurrence follows a device/host/link.
+  - plus QUARANTINE in `also` when recurrence follows a device/host/link, or when the incident is a device fault (a
+    GPU that failed with an uncorrectable ECC error or fell off the bus): the primary action is unchanged.
 - no committed checkpoint where one is needed: RESTART_JOB with target None ("no committed checkpoint: restart
   from step 0"). Partial and corrupt candidates are counted in the reasons and never chosen.
 
-`python -m rankwatch.analytics.recovery docs/recovery.md` rewrites the decision table in the doc from
+`single_run_quarantines(incidents)` is what the policy takes out of placement from one run's incidents alone (no gate,
+no recurrence): the device faults. `python -m rankwatch.analytics.recovery docs/recovery.md` rewrites the decision table in the doc from
 `DECISION_CASES`; without an argument it prints the table.
 """
 
@@ -62,7 +70,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
-from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, Subject, SubjectKind
+from rankwatch.analytics.incidents import Cause, HardwareSignal, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.analytics.localize import FollowsKind, Localization
 from rankwatch.collector.schema import ChangeReason, Comparability, LineageKind
 
@@ -309,8 +317,9 @@ def decide(
     if k is IncidentClass.IMBALANCE:
         return _observe(path, "imbalance is a job-design issue (stage split, data skew): rebalance, do not recover")
     if k is IncidentClass.HANG and incident.cause is Cause.TRANSIENT_STALL:
-        return _observe(path, "a transient stall: the rank came back by itself and the job carried on; nothing is "
-                              "lost and nothing to recover (it cost the job its duration: watch for a recurrence)")
+        return _observe_or_quarantine(incident, recurrence, path, (
+            "a transient stall: the rank came back by itself and the job carried on; nothing is lost and nothing "
+            "to recover (it cost the job its duration: watch for a recurrence)"))
     if k is IncidentClass.UNCLASSIFIED:
         return _observe(path, "unclassified: reported, not guessed; no recovery without a class")
     if k in (IncidentClass.DIVERGENCE, IncidentClass.CORRUPTION):
@@ -333,12 +342,19 @@ def _observe(path: list[str], reason: str, *extra: str) -> Decision:
 
 
 def _quarantine(recurrence: RecurrenceView | None, incident: Incident, *, corroborate: bool) -> Decision | None:
-    """A quarantine when recurrence follows a device/host/link, or (corruption) the device corroborates itself."""
+    """A quarantine when recurrence follows a device/host/link, when the incident is a device fault (direct hardware
+    evidence from this run), or (corruption) the device corroborates itself with a hardware-error cause."""
     kinds = {FollowsKind.DEVICE: TargetKind.DEVICE, FollowsKind.HOST: TargetKind.HOST, FollowsKind.LINK: TargetKind.LINK}
     if recurrence is not None and recurrence.follows in kinds:
         target = Target(kind=kinds[recurrence.follows], id=recurrence.id)
         why = f"recurrence follows {recurrence.follows} {recurrence.id} ({recurrence.occurrences} occurrences)"
         label = f"recurrence={recurrence.follows}"
+    elif incident.device_fault:
+        target = Target(kind=TargetKind.DEVICE, id=incident.subject.id)
+        signals = ",".join(str(h) for h in incident.hardware)
+        why = (f"device {incident.subject.id} shows direct hardware evidence in this run ({signals}): one run is "
+               "enough to take it out of placement")
+        label = f"hardware={signals}"
     elif corroborate and incident.subject.kind is SubjectKind.DEVICE and incident.cause is Cause.HARDWARE_ERROR:
         target = Target(kind=TargetKind.DEVICE, id=incident.subject.id)
         why = f"device {incident.subject.id} reported a hardware error with the corruption"
@@ -357,19 +373,44 @@ def _quarantine(recurrence: RecurrenceView | None, incident: Incident, *, corrob
 
 def _no_quarantine_reason(recurrence: RecurrenceView | None) -> str:
     if recurrence is None:
-        return "no recurrence evidence across runs"
+        return "no recurrence evidence across runs and no direct hardware evidence from this run"
     if recurrence.follows is FollowsKind.RANK:
         return f"recurrence follows rank {recurrence.id}: its data shard or code path, not hardware"
     return "recurrence inconclusive: nothing to quarantine"
 
 
 def _straggler(incident: Incident, recurrence: RecurrenceView | None, path: list[str]) -> Decision:
+    return _observe_or_quarantine(incident, recurrence, path, "a slow rank is not a failed rank")
+
+
+def _observe_or_quarantine(incident: Incident, recurrence: RecurrenceView | None, path: list[str],
+                           why: str) -> Decision:
+    """Nothing to recover in the running job: OBSERVE, or QUARANTINE (no kill, no rollback) where recurrence or
+    direct hardware evidence implicates a device, host or link."""
     q = _quarantine(recurrence, incident, corroborate=False)
     if q is None:
         label = "recurrence=none" if recurrence is None else f"recurrence={recurrence.follows}"
-        return _observe([*path, label], "a slow rank is not a failed rank", _no_quarantine_reason(recurrence))
+        return _observe([*path, label], why, _no_quarantine_reason(recurrence))
     return Decision(action=q.action, target=q.target, scope=q.scope, ranks=q.ranks, path=(*path, *q.path),
-                    reasons=("a slow rank is not a failed rank: no restart or rollback", *q.reasons), lineage=q.lineage)
+                    reasons=(f"{why}: no restart or rollback", *q.reasons), lineage=q.lineage)
+
+
+def quarantine_targets(decision: Decision) -> tuple[Target, ...]:
+    """Every device, host or link a decision takes out of placement (its own action and those in `also`)."""
+    return tuple(d.target for d in (decision, *decision.also)
+                 if d.action is Action.QUARANTINE and d.target is not None)
+
+
+def single_run_quarantines(incidents: Sequence[Incident]) -> tuple[Target, ...]:
+    """What the policy takes out of placement from one run's incidents alone: each decided with no gate, nothing
+    declared and no recurrence across runs, so only direct hardware evidence (device faults) can quarantine.
+    Each target once, in incident order."""
+    out: dict[Target, None] = {}
+    for inc in incidents:
+        d = decide(inc, None, idempotent=Idempotency.UNKNOWN, membership=MembershipSupport.FIXED_SHAPES,
+                   catalog=CheckpointCatalogView())
+        out.update(dict.fromkeys(quarantine_targets(d)))
+    return tuple(out)
 
 
 def _gate_label(gate: GateResult | None) -> str:
@@ -668,11 +709,11 @@ def write_decision_doc(path: Path, cases: Sequence[DecisionCase] | None = None) 
 
 
 def _inc(klass: IncidentClass, ranks: tuple[int, ...], cause: Cause, *, subject: Subject | None = None,
-         onset: int | None = 120) -> Incident:
+         onset: int | None = 120, hardware: tuple[HardwareSignal, ...] = ()) -> Incident:
     subj = subject if subject is not None else Subject(kind=SubjectKind.RANK, id=",".join(map(str, ranks)))
     return Incident(klass=klass, subject=subj, ranks=ranks, onset_step=onset,
                     detection_step=None if onset is None else onset + 5, confidence=0.9, cause=cause,
-                    summary=f"{klass} on ranks {list(ranks)}")
+                    summary=f"{klass} on ranks {list(ranks)}", hardware=hardware)
 
 
 _JOB = (0, 1, 2, 3, 4, 5, 6, 7)
@@ -719,14 +760,19 @@ def _cases() -> tuple[DecisionCase, ...]:
         out.append(DecisionCase(name=name, incident=inc, gate=gate, idempotent=idem, membership=mem, catalog=cat,
                                 recurrence=rec))
 
+    HW = HardwareSignal
     straggler = _inc(S, (5,), Cause.THERMAL_THROTTLE)
     add("straggler", straggler, None)
     add("straggler-rank-recurs", straggler, None, rec=_rec(S, FollowsKind.RANK, "5"))
     add("straggler-device-recurs", straggler, None, rec=_rec(S, FollowsKind.DEVICE, "GPU-aa"))
     add("straggler-link-recurs", _inc(S, (4, 5), Cause.SLOW_LINK), None, rec=_rec(S, FollowsKind.LINK, "h0<->h1"))
+    add("straggler-device-fault", _inc(S, (5,), Cause.THERMAL_THROTTLE, subject=dev_subject,
+                                       hardware=(HW.CLOCK_LOSS, HW.THROTTLE)), None)
     add("imbalance", _inc(IncidentClass.IMBALANCE, (6, 7), Cause.STAGE_IMBALANCE), _gate(_A, _JOB))
     add("unclassified", _inc(IncidentClass.UNCLASSIFIED, (2,), Cause.UNKNOWN), None)
     add("hang-transient", _inc(H, (3,), Cause.TRANSIENT_STALL), None)
+    add("hang-transient-device-fault", _inc(H, (3,), Cause.TRANSIENT_STALL, subject=dev_subject, hardware=(HW.XID,)),
+        None)
 
     for mem, tag in ((_DP, "dp"), (_SPARE, "spare"), (_FIX, "fixed")):
         add(f"failstop-agree-idem-{tag}", fail, _gate(_A), _I, mem)
@@ -743,6 +789,9 @@ def _cases() -> tuple[DecisionCase, ...]:
     add("failstop-subdomain-disagree-fixed", fail, _sub(_D, (2,)), _I, _FIX)
     add("failstop-agree-idem-dp-device-recurs", fail, _gate(_A), _I, _DP, rec=_rec(F, FollowsKind.DEVICE, "GPU-aa"))
     add("failstop-agree-idem-dp-rank-recurs", fail, _gate(_A), _I, _DP, rec=_rec(F, FollowsKind.RANK, "3"))
+    dbe_fail = _inc(F, (3,), Cause.EXCEPTION, subject=dev_subject, hardware=(HW.ECC_DBE, HW.XID))
+    add("failstop-device-fault-agree-idem-dp", dbe_fail, _gate(_A), _I, _DP)
+    add("failstop-device-fault-nogate", dbe_fail, None, _Q, _FIX)
 
     add("hang-back-agree-idem", hang, _gate(_A, _JOB), _I, _FIX)
     add("hang-back-agree-notidem", hang, _gate(_A, _JOB), _N, _DP)
@@ -753,6 +802,8 @@ def _cases() -> tuple[DecisionCase, ...]:
     add("hang-silent-agree-idem-fixed", hang, _gate(_A), _I, _FIX)
     add("hang-silent-unknown-dp", hang, _gate(_U), _I, _DP)
     add("hang-host-recurs", hang, _gate(_U), _Q, _FIX, rec=_rec(H, FollowsKind.HOST, "host1"))
+    add("hang-device-fault-unknown-spare", _inc(H, (3,), Cause.STUCK_IN_COLLECTIVE, subject=dev_subject,
+                                                hardware=(HW.XID,)), _gate(_U), _I, _SPARE)
 
     div = _inc(V, (0, 1, 2, 3, 4, 5, 6, 7), Cause.RNG_MISMATCH)
     add("divergence-disagree-job", div, _gate(_D, _JOB))
@@ -771,6 +822,8 @@ def _cases() -> tuple[DecisionCase, ...]:
     add("corruption-rank-recurs", corr, _gate(_D, _JOB), rec=_rec(C, FollowsKind.RANK, "4"))
     add("corruption-partials", corr, _gate(_D, _JOB), cat=_CKPTS_PARTIAL)
     add("corruption-nockpt-hw-error", _inc(C, (4,), Cause.HARDWARE_ERROR, subject=dev_subject), None, cat=_NO_CKPT)
+    add("corruption-device-fault-sbe-rising", _inc(C, (4,), Cause.HARDWARE_ERROR, subject=dev_subject,
+                                                   hardware=(HW.ECC_SBE_RISING, HW.XID, HW.ROW_REMAP)), None)
     return tuple(out)
 
 

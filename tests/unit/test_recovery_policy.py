@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, Subject, SubjectKind
+from rankwatch.analytics.incidents import Cause, HardwareSignal, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.analytics.localize import FollowsKind, Localization
 from rankwatch.analytics.recovery import (
     DECISION_CASES,
@@ -35,7 +35,9 @@ from rankwatch.analytics.recovery import (
     decide,
     decision_rows,
     doc_table_section,
+    quarantine_targets,
     render_decision_table,
+    single_run_quarantines,
     write_decision_doc,
 )
 
@@ -75,7 +77,28 @@ EXPECTED: dict[str, X] = {
                                 "no restart or rollback"),
     "imbalance": _x(A.OBSERVE, None, ("-> observe",), "job-design issue"),
     "unclassified": _x(A.OBSERVE, None, ("-> observe",), "reported, not guessed"),
-    "hang-transient": _x(A.OBSERVE, None, ("-> observe",), "came back by itself"),
+    "hang-transient": _x(A.OBSERVE, None, ("recurrence=none", "-> observe"), "came back by itself"),
+    "straggler-device-fault": _x(A.QUARANTINE, "device:GPU-aa",
+                                 ("hardware=clock_loss,throttle", "-> quarantine device:GPU-aa"),
+                                 "direct hardware evidence in this run (clock_loss,throttle)"),
+    "hang-transient-device-fault": _x(A.QUARANTINE, "device:GPU-aa", ("hardware=xid", "-> quarantine device:GPU-aa"),
+                                      "came back by itself"),
+    "failstop-device-fault-agree-idem-dp": _x(
+        A.REBUILD_GROUP, "group:dp without 3",
+        ("gate=agree", "idempotent=idempotent", "membership=pure_dp_reconfigurable_batch", "hardware=ecc_dbe,xid",
+         "-> rebuild dp group without 3"), AGREE_SURV, also=(A.QUARANTINE,), lineage=CHANGED),
+    "failstop-device-fault-nogate": _x(
+        A.RESTART_JOB, C100,
+        ("gate=none", "membership=fixed_shapes", "checkpoint=step-00000100", "hardware=ecc_dbe,xid",
+         "-> restart job from step-00000100"), "ranks [3] lost", also=(A.QUARANTINE,)),
+    "hang-device-fault-unknown-spare": _x(
+        A.RESTART_JOB, C100,
+        ("gate=unknown", "hung ranks silent", "membership=spare_replacement", "checkpoint=step-00000100",
+         "hardware=xid", "-> restart job from step-00000100"), "ranks [3] lost", also=(A.QUARANTINE,)),
+    "corruption-device-fault-sbe-rising": _x(
+        A.ROLLBACK_DOMAIN, C100,
+        ("gate=none", "checkpoint=step-00000100", "hardware=ecc_sbe_rising,xid,row_remap",
+         "-> roll back job to step-00000100"), "only checkpoints before the onset at step 120", also=(A.QUARANTINE,)),
     "failstop-agree-idem-dp": _x(
         A.REBUILD_GROUP, "group:dp without 3",
         ("gate=agree", "idempotent=idempotent", "membership=pure_dp_reconfigurable_batch", "recurrence=none",
@@ -351,6 +374,26 @@ def test_invariants_hold_over_every_combination() -> None:
         _check(key, inc, gate, idem, mem, cat, rec, d)
 
 
+def test_invariants_hold_for_device_faults() -> None:
+    """The same invariants with every incident a device fault (direct hardware evidence on its device), over every
+    class, gate, idempotency and recurrence (a smaller product: two memberships, two catalogs)."""
+    n = 0
+    for klass, cause, gate_key, idem, mem, cat_key, follows in itertools.product(
+            IncidentClass, (Cause.UNKNOWN, Cause.HARDWARE_ERROR, Cause.TRANSIENT_STALL), _GATES, Idempotency,
+            (MembershipSupport.FIXED_SHAPES, MembershipSupport.PURE_DP_RECONFIGURABLE_BATCH), ("none", "committed"),
+            _RECURRENCE):
+        inc = Incident(klass=klass, subject=Subject(kind=SubjectKind.DEVICE, id="GPU-x"), ranks=(3,), onset_step=120,
+                       detection_step=125, confidence=0.9, cause=cause, summary="x",
+                       hardware=(HardwareSignal.ECC_DBE, HardwareSignal.XID))
+        rec = None if follows is None else RecurrenceView(
+            klass=klass, follows=follows, id="" if follows is FollowsKind.INCONCLUSIVE else "x", occurrences=2)
+        key = f"device-fault-{klass}-{cause}-{gate_key}-{idem}-{mem}-{cat_key}-{follows}"
+        d = decide(inc, _GATES[gate_key], idempotent=idem, membership=mem, catalog=_CATALOGS[cat_key], recurrence=rec)
+        _check(key, inc, _GATES[gate_key], idem, mem, _CATALOGS[cat_key], rec, d)
+        n += 1
+    assert n > 1_000
+
+
 def _check(key: str, inc: Incident, gate: GateResult | None, idem: Idempotency, mem: MembershipSupport,
            cat: CheckpointCatalogView, rec: RecurrenceView | None, d: Decision) -> None:
     narrow = {A.RETRY_OPERATION, A.REBUILD_GROUP, A.RESTART_REPLICA}
@@ -371,6 +414,8 @@ def _check(key: str, inc: Incident, gate: GateResult | None, idem: Idempotency, 
         assert d.action in (A.OBSERVE, A.QUARANTINE) and not d.also, key
     if inc.klass in (IncidentClass.IMBALANCE, IncidentClass.UNCLASSIFIED):
         assert d.action is A.OBSERVE, key
+    if inc.klass is IncidentClass.HANG and inc.cause is Cause.TRANSIENT_STALL:
+        assert d.action in (A.OBSERVE, A.QUARANTINE) and not d.also, key
     if inc.klass in (IncidentClass.DIVERGENCE, IncidentClass.CORRUPTION):
         assert d.action in (A.ROLLBACK_DOMAIN, A.RESTART_JOB), key
     # never a partial checkpoint, never one after a state fault's onset; none at all means step 0, said out loud
@@ -386,13 +431,21 @@ def _check(key: str, inc: Incident, gate: GateResult | None, idem: Idempotency, 
     if cat.partial or cat.corrupt:
         if d.action in (A.RESTART_JOB, A.ROLLBACK_DOMAIN):
             assert any("never recovery points" in r for r in d.reasons), key
-    # quarantine only where recurrence follows hardware, or a corrupting device reported a hardware error
+    # quarantine only where recurrence follows hardware, the incident is a device fault (direct hardware evidence),
+    # or a corrupting device reported a hardware error; exactly one quarantine, of the recurrence's target first
     quarantined = [x for x in (d, *d.also) if x.action is A.QUARANTINE]
     hw_follow = rec is not None and rec.follows in (FollowsKind.DEVICE, FollowsKind.HOST, FollowsKind.LINK)
     corroborated = (inc.klass is IncidentClass.CORRUPTION and inc.cause is Cause.HARDWARE_ERROR
                     and inc.subject.kind is SubjectKind.DEVICE)
     allowed = inc.klass not in (IncidentClass.IMBALANCE, IncidentClass.UNCLASSIFIED)
-    assert bool(quarantined) == (allowed and (hw_follow or corroborated)), key
+    assert bool(quarantined) == (allowed and (hw_follow or corroborated or inc.device_fault)), key
+    assert len(quarantined) <= 1, key
+    if quarantined and not hw_follow and inc.device_fault:
+        assert str(quarantined[0].target) == f"device:{inc.subject.id}", key
+    assert quarantine_targets(d) == tuple(x.target for x in quarantined if x.target is not None), key
+    # a quarantine never stops the running job by itself: it touches no rank and changes nothing in lineage
+    for q in quarantined:
+        assert q.scope is ScopeKind.NONE and q.ranks == () and q.lineage.comparability is SAME, key
     # a membership change is never declared bitwise comparable
     membership_change = any(x.action in (A.REBUILD_GROUP, A.RESTART_REPLICA) for x in (d, *d.also))
     assert (d.lineage.comparability is Comparability.CHANGED) == membership_change, key
@@ -463,3 +516,46 @@ def test_recurrence_view_from_a_localization() -> None:
     d = decide(_case("corruption").incident, None, idempotent=Idempotency.UNKNOWN,
                membership=MembershipSupport.FIXED_SHAPES, catalog=CheckpointCatalogView(), recurrence=rec)
     assert [str(a.target) for a in d.also] == ["device:GPU-aa"]
+
+
+# ------------------------------------------------------------------------------------------ one run's quarantines
+
+
+def _dev_inc(klass: IncidentClass, device: str, hardware: tuple[HardwareSignal, ...], cause: Cause) -> Incident:
+    return Incident(klass=klass, subject=Subject(kind=SubjectKind.DEVICE, id=device), ranks=(1,), onset_step=50,
+                    detection_step=52, confidence=0.9, cause=cause, summary="s", hardware=hardware)
+
+
+def test_single_run_quarantines_are_the_device_faults_only() -> None:
+    throttled = _dev_inc(IncidentClass.STRAGGLER, "GPU-a", (HardwareSignal.CLOCK_LOSS,), Cause.THERMAL_THROTTLE)
+    crashed = _dev_inc(IncidentClass.FAIL_STOP, "GPU-b", (HardwareSignal.ECC_DBE,), Cause.EXCEPTION)
+    failing = _dev_inc(IncidentClass.CORRUPTION, "GPU-c", (HardwareSignal.ECC_SBE_RISING,), Cause.HARDWARE_ERROR)
+    plain = [_case("straggler").incident, _case("failstop-agree-idem-dp").incident,
+             _case("corruption").incident, _case("hang-transient").incident]
+    got = single_run_quarantines([*plain, throttled, crashed, failing, throttled])
+    assert [(t.kind, t.id) for t in got] == [(TargetKind.DEVICE, "GPU-a"), (TargetKind.DEVICE, "GPU-b"),
+                                             (TargetKind.DEVICE, "GPU-c")]
+    assert single_run_quarantines(plain) == ()
+
+
+def test_a_throttle_cause_without_hardware_evidence_is_observed() -> None:
+    inc = Incident(klass=IncidentClass.STRAGGLER, subject=Subject(kind=SubjectKind.RANK, id="5"), ranks=(5,),
+                   onset_step=10, detection_step=14, confidence=0.9, cause=Cause.THERMAL_THROTTLE, summary="s")
+    d = decide(inc, None, idempotent=Idempotency.UNKNOWN, membership=MembershipSupport.FIXED_SHAPES,
+               catalog=CheckpointCatalogView())
+    assert d.action is A.OBSERVE and quarantine_targets(d) == ()
+    assert any("no direct hardware evidence" in r for r in d.reasons)
+
+
+def test_device_fault_straggler_is_quarantined_without_touching_the_job() -> None:
+    d = _case("straggler-device-fault").decide()
+    assert d.scope is ScopeKind.NONE and d.ranks == () and not d.also
+    assert d.lineage.records == (LineageRecord.DEVICE_QUARANTINED,)
+
+
+def test_recurrence_quarantine_comes_before_the_device_fault_one() -> None:
+    inc = _dev_inc(IncidentClass.STRAGGLER, "GPU-a", (HardwareSignal.CLOCK_LOSS,), Cause.THERMAL_THROTTLE)
+    rec = RecurrenceView(klass=IncidentClass.STRAGGLER, follows=FollowsKind.HOST, id="host4", occurrences=3)
+    d = decide(inc, None, idempotent=Idempotency.UNKNOWN, membership=MembershipSupport.FIXED_SHAPES,
+               catalog=CheckpointCatalogView(), recurrence=rec)
+    assert [str(t) for t in quarantine_targets(d)] == ["host:host4"]
