@@ -20,7 +20,9 @@ evidence used:
 2. the rank(s) whose own abnormal terminal event came first, from a rank that was neither reacting (no failed
    collective, no peer named) nor already waiting in a collective;
 3. the root of the wait graph of blocked collectives (`_by_wait_graph`);
-4. a rank silent for much longer than the rest of the job (`_silent`).
+4. a rank silent for much longer than the rest of the job (`_silent`);
+5. in a job stalled everywhere with heartbeats going on and nothing blocked on the host (a CUDA job's threads wait
+   at a sync point), the rank not where the others are (`_by_position`).
 
 When there is none and the job itself stopped abnormally (a signal or abnormal exit on most ranks at once; or no
 terminal event anywhere and every rank's telemetry ending at about the same time, mid-step), the incident is the
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from rankwatch.analytics.frames import Frames
+from rankwatch.analytics.frames import Clock, Frames
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.collector.schema import EventKind
 
@@ -110,15 +112,17 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
     errors = _since_attempt(frames.collective_errors, start, "exit_wall_ns")
     named = _named_peers(events, errors, world)
     silent = _silent(live, stall)
+    stalled = _stalled(live, now, stall)
 
     culprits: set[int] = set()
     method = ""
-    if abnormal.height or errors.height or blocked.height or silent:
+    if abnormal.height or errors.height or blocked.height or silent or stalled:
         rules = (
             ("named by peers", lambda: _by_named(named)),
             ("events", lambda: _by_events(frames, abnormal, errors, named, blocked, silent, world, config)),
-            ("wait graph", lambda: _by_wait_graph(blocked, live)),
+            ("wait graph", lambda: _by_wait_graph(blocked, live, silent, frames.clock is Clock.DEVICE)),
             ("silence", lambda: silent),
+            ("position", lambda: _by_position(frames, events, stall) if stalled else set()),
         )
         for method, rule in rules:
             culprits = rule()
@@ -211,14 +215,24 @@ def _named_peers(events: pl.DataFrame, errors: pl.DataFrame, world: int) -> pl.D
     return out.select("reporter", pl.col("named").cast(pl.Int32), "wall_ns")
 
 
+def _stalled(live: pl.DataFrame, now: int, stall: int) -> bool:
+    """Every rank stopped completing steps more than `stall` before the end while most kept beating: the job hangs
+    (a run that ended, or a copy cut at a step, has no heartbeats long after its last step)."""
+    end = pl.col("last_step_end_wall_ns").fill_null(0)
+    if live.filter(end >= now - stall).height:
+        return False
+    beating = live.filter(pl.col("last_heartbeat_wall_ns").fill_null(0) > end + stall)
+    return 2 * beating.height > live.height
+
+
 def _silent(live: pl.DataFrame, stall: int) -> set[int]:
-    """Ranks last heard from more than `stall` before most of the job (its lower quartile of last signs of life:
-    a job killed at once loses up to a flush interval of rows on each rank, so the newest rank is no reference)."""
+    """Ranks last heard from more than `stall` before the job's median last sign of life (a job killed at once
+    loses up to a flush interval of rows on each rank, so the newest rank is no reference)."""
     seen = live.select("rank", pl.col("last_seen_wall_ns").fill_null(0).alias("seen"))
-    ref = seen["seen"].quantile(0.25, interpolation="lower")
+    ref = seen["seen"].median()
     if ref is None:
         return set()
-    silent = seen.filter(pl.col("seen") < float(ref) - stall)  # type: ignore[arg-type]
+    silent = seen.filter(pl.col("seen") < float(ref) - stall)
     if 2 * silent.height >= live.height:
         return set()
     return set(int(r) for r in silent["rank"])
@@ -273,15 +287,17 @@ def _by_events(frames: Frames, abnormal: pl.DataFrame, errors: pl.DataFrame, nam
     return set(int(r) for r in cluster["rank"])
 
 
-def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame) -> set[int]:
+def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame, silent: set[int], device: bool) -> set[int]:
     """Roots of the wait graph. A blocked rank waits for each member of its operation's group that is not inside the
     same operation (group, group_seq) and has not completed the operation's step (for a point-to-point operation,
     its peer). The roots are: ranks waited for that are not blocked anywhere (dead, or stuck outside collectives);
     else ranks blocked in an operation every other member of which got past (stuck inside it); else, in a cycle
     (a rank stuck inside an operation its peers left for the next one, in the same step), the ranks that blocked
-    before every rank they wait for."""
+    before every rank they wait for. On the device clock a host thread returns from a collective call once it is
+    enqueued and waits at the next sync point instead, so a live member blocked nowhere may have got past it."""
     if blocked.height == 0:
         return set()
+    waiting = set(int(r) for r in blocked["rank"].unique())
     is_p2p = pl.col("op").is_in(_P2P_OPS) | pl.col("peer").is_not_null()
     ops = blocked.with_columns(
         pl.when(is_p2p & pl.col("peer").is_not_null()).then(pl.concat_list(pl.col("peer")))
@@ -297,9 +313,11 @@ def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame) -> set[int]:
         .filter(pl.col("m").is_not_null() & (pl.col("m") != pl.col("rank")))
         .join(present, on=["group", "group_seq", "m"], how="anti")
         .join(last, on="m", how="left")
-        .with_columns((pl.col("_m_last").fill_null(-1) >= pl.col("step")).alias("_passed"))
+        .with_columns((
+            (pl.col("_m_last").fill_null(-1) >= pl.col("step"))
+            | (pl.lit(device) & ~pl.col("m").is_in(list(waiting | silent)))
+        ).alias("_passed"))
     )
-    waiting = set(int(r) for r in blocked["rank"].unique())
     edges = pairs.filter(~pl.col("_passed"))
     roots = set(int(r) for r in edges["m"].unique()) - waiting
     if roots:
@@ -320,6 +338,38 @@ def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame) -> set[int]:
     )
     awaited = set(int(r) for r in edges["m"].unique())
     return set(int(r) for r in first["rank"]) & awaited
+
+
+def _by_position(frames: Frames, events: pl.DataFrame, stall: int) -> set[int]:
+    """In a job that stalled everywhere (`_stalled`) with no collective blocked on the host (a CUDA job: host
+    threads wait at a sync point), the ranks not where the others are: behind every other rank of their pipeline
+    stage in completed steps; else a few ranks (at most a quarter) whose latest event, written while stalled, is in
+    another step or phase than the one most ranks are stalled in."""
+    live = frames.liveness
+    stage = frames.topology.select("rank", pl.col("pp").fill_null(0).alias("_pp")).unique("rank")
+    by_stage = (
+        live.join(stage, on="rank", how="left").with_columns(pl.col("_pp").fill_null(0))
+        .with_columns(pl.col("last_step").min().over("_pp").alias("_lo"), pl.len().over("_pp").alias("_n"))
+        .with_columns((pl.col("last_step") == pl.col("_lo")).sum().over("_pp").alias("_at_lo"),
+                      pl.col("last_step").max().over("_pp").alias("_hi"))
+    )
+    behind = by_stage.filter((pl.col("last_step") == pl.col("_lo")) & (pl.col("_hi") > pl.col("_lo"))
+                             & (2 * pl.col("_at_lo") < pl.col("_n")))
+    if behind.height:
+        return set(int(r) for r in behind["rank"])
+    latest = (
+        events.join(live.select("rank", "last_step_end_wall_ns"), on="rank", how="inner")
+        .filter(pl.col("wall_ns") > pl.col("last_step_end_wall_ns").fill_null(0) + stall)
+        .sort("wall_ns").group_by("rank").agg(pl.col("step").last(), pl.col("phase").last())
+    )
+    if 2 * latest.height <= live.height:
+        return set()
+    where = latest.group_by("step", "phase").agg(pl.len().alias("_n")).sort("_n", descending=True)
+    mode = where.row(0, named=True)
+    odd = latest.filter((pl.col("step") != mode["step"]) | pl.col("phase").ne_missing(mode["phase"]))
+    if odd.height == 0 or 4 * odd.height > live.height:
+        return set()
+    return set(int(r) for r in odd["rank"])
 
 
 def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnormal: pl.DataFrame, world: int,
@@ -348,9 +398,10 @@ def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnor
     open_now = _since_attempt(frames.open_collectives, start, "enter_wall_ns")
     if open_now.height == 0 and live["last_step"].n_unique() <= 1:
         return None  # every rank at one step boundary with nothing open: a run cut at a step, not a kill
+    lo, hi = int(live["last_step"].min()), int(live["last_step"].max())  # type: ignore[arg-type]
     return Cause.VANISHED, (f"no rank wrote an exit, signal or exception event, yet {open_now['rank'].n_unique()} "
                             f"rank(s) were inside a collective and the ranks' last steps range over "
-                            f"{live['last_step'].min()}..{live['last_step'].max()} when every rank's telemetry "
+                            f"{lo}..{hi} when every rank's telemetry "
                             f"ended together: the job was killed from outside (SIGKILL, a lost node or power)")
 
 

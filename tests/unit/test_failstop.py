@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 
 from rankwatch.analytics.failstop import FailStopConfig, detect_failstops
-from rankwatch.analytics.frames import Frames
+from rankwatch.analytics.frames import Clock, Frames
 from rankwatch.analytics.incidents import Cause, IncidentClass, SubjectKind
 
 S = 1_000_000_000
@@ -155,3 +155,68 @@ def test_live_window_gives_nothing_and_the_same_run_over_is_a_killed_job() -> No
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="stall_heartbeats"):
         FailStopConfig(stall_heartbeats=0)
+
+
+def test_survivors_errors_name_the_culprit_whose_own_exit_was_logged_after_them() -> None:
+    # host clocks differ: rank 2's exit event reads 0.4 s after the first survivor's error, which names it
+    events = [_ev(2, "exit", 10.9, exit_code=2)]
+    rows = []
+    for r, g in ((0, "dp0"), (3, "tp1"), (1, "dp1")):
+        rows.append(_coll(r, g, 20, 10.5))
+        events.append(_ev(r, "exception", 10.5, exc_type="RuntimeError",
+                          message="Connection closed by peer [gn001]:29503 (rank 2)"))
+        events.append(_ev(r, "exit", 10.6, exit_code=1))
+    frames = Frames.build(steps=_steps(LAST), liveness=_liveness(LAST, {0: 10.6, 1: 10.6, 2: 10.9, 3: 10.6}),
+                          collective_errors=pl.DataFrame(rows), events=pl.DataFrame(events), end_wall_ns=11 * S)
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.id, inc.cause) == (IncidentClass.FAIL_STOP, "2", Cause.EXIT)
+
+
+def test_vanished_rank_without_collective_rows_not_the_survivors_that_exited_first() -> None:
+    # rank 2 went silent at 10.3 s; the survivors time out one after another ~30 s later, naming no one
+    events = []
+    for r, t in ((0, 40.0), (1, 40.6), (3, 41.2)):
+        events.append(_ev(r, "exception", t, exc_type="RuntimeError", message="Timed out waiting 30000ms for recv"))
+        events.append(_ev(r, "exit", t + 0.1, exit_code=1))
+    frames = Frames.build(steps=_steps(LAST), liveness=_liveness(LAST, {0: 40.1, 1: 40.7, 2: 10.3, 3: 41.3}),
+                          events=pl.DataFrame(events), end_wall_ns=int(41.3 * S))
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.id, inc.cause) == (IncidentClass.FAIL_STOP, "2", Cause.VANISHED)
+
+
+def test_launcher_sigterm_on_every_rank_at_once_is_the_jobs_fail_stop() -> None:
+    events = [_ev(r, "signal", 10.5 + 0.01 * r, signal=15) for r in range(4)]
+    frames = Frames.build(steps=_steps(LAST), liveness=_liveness(LAST, {r: 10.5 + 0.01 * r for r in range(4)}),
+                          events=pl.DataFrame(events), end_wall_ns=int(10.6 * S))
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.kind, inc.ranks, inc.cause, inc.onset_step) == (
+        IncidentClass.FAIL_STOP, SubjectKind.JOB, (0, 1, 2, 3), Cause.SIGNAL, 10)
+
+
+def test_killed_at_once_after_a_hang_flush_jitter_is_not_silence() -> None:
+    # rank 1 stuck inside tp0 seq 40 of step 10 (rank 0 left it: it is blocked in dp0 of step 10, entered later);
+    # the job is killed at 100 s and each rank lost up to 5 s of rows: their last signs range over 95..100 s
+    opened = pl.DataFrame([_coll(1, "tp0", 40, 10.2), _coll(0, "dp0", 20, 10.5), _coll(2, "dp0", 20, 10.5),
+                           _coll(3, "dp1", 20, 10.5)])
+    seen = {0: 95.0, 1: 99.0, 2: 100.0, 3: 97.0}
+    frames = Frames.build(steps=_steps(LAST), liveness=_liveness(LAST, seen), open_collectives=opened,
+                          end_wall_ns=100 * S)
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.id, inc.cause) == (IncidentClass.HANG, "1", Cause.STUCK_IN_COLLECTIVE)
+
+
+def test_cuda_job_stalled_everywhere_culprit_is_where_no_other_rank_is() -> None:
+    # device clock: host threads wait at a sync point ("metrics"), no collective blocked on the host; rank 3's
+    # thread is still in backward when every rank writes an event, 30 s into the stall
+    events = [_ev(r, "warning", 40.0, step=10, phase="backward" if r == 3 else "metrics", message="device marks")
+              for r in range(4)]
+    frames = Frames.build(steps=_steps(LAST), liveness=_liveness(LAST, {r: 60 for r in range(4)}),
+                          events=pl.DataFrame(events), end_wall_ns=60 * S, clock=Clock.DEVICE)
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.id, inc.cause) == (IncidentClass.HANG, "3", Cause.STUCK_IN_STEP)
+    # the same with rank 3 a step behind the rest of its stage
+    last = {0: 9, 1: 9, 2: 9, 3: 8}
+    frames = Frames.build(steps=_steps(last), liveness=_liveness(last, {r: 60 for r in range(4)}),
+                          end_wall_ns=60 * S, clock=Clock.DEVICE)
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.id) == (IncidentClass.HANG, "3")
