@@ -3,14 +3,23 @@
 Four traces, each a pure function of the frames:
 
 - value mismatch: parameter / optimizer hashes disagree inside a consistency domain while step, RNG and data
-  position agree (`VALUE_MISMATCH`; majority rule as in `analytics.divergence`, which reports the other case);
+  position agree, in a way one device's wrong value explains (`VALUE_MISMATCH`; majority rule as in
+  `analytics.divergence`, which reports the other cases: `divergence.state_departures`);
 - non-finite values: the rank(s) whose loss or local gradient norm is non-finite at the FIRST step any rank's is
   (`NON_FINITE`; one step later the all-reduce has spread it to everyone);
-- outliers of the local, pre-all-reduce gradient norm or of the loss, against the rank's own recent history AND
-  its peers at the same step (`GRAD_NORM_OUTLIER` / `LOSS_OUTLIER`): after the all-reduce replicas agree again,
-  so this is the only trace a corrupted local computation leaves;
+- outliers of the local, pre-all-reduce gradient norm (`GRAD_NORM_OUTLIER`): after the all-reduce replicas agree
+  again, so this is the only trace a corrupted local computation leaves. Each rank's norm is compared with what
+  the same step predicts for it (its shard's peers in the other replicas, corrected by how its own replica's other
+  shards deviate: a long batch moves a whole replica), in units of the larger of its own recent noise and every
+  rank's at the step, with a threshold bounded to x1.3..x4 (`blip_scores`). One blip of x4 or more is confirmed
+  alone; smaller blips (x1.5-3 is typical of a flaky device) need a second on the same rank (`_confirmed`). The
+  replica's loss at the same steps is corroboration, not a second incident; a loss outlier no gradient norm
+  explains is one incident per replica (`LOSS_OUTLIER`);
 - corroboration: a new ECC double-bit error or a hardware XID on the rank's device near the onset turns the cause
   into `HARDWARE_ERROR` and raises the confidence. A hardware error with no value anomaly is not an incident here.
+
+One incident per fault: traces of one rank (a flipped parameter that also moves its gradient norm) are folded into
+the first one found (`_one_per_fault`).
 """
 
 from __future__ import annotations
@@ -34,16 +43,27 @@ _MAD_SCALE = 1.4826  # MAD -> standard deviation for normal noise
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CorruptionConfig:
-    history_steps: int = 20
-    """Steps of the rank's own history the rolling median / MAD are taken over (the current step excluded)."""
+    history_steps: int = 50
+    """Steps of the rank's own history whose median absolute residual (the current step excluded) is its noise."""
     min_history: int = 5
-    """Steps of history needed before a value can be an outlier against it."""
-    min_ratio: float = 4.0
-    """A value is an outlier only when it is at least this factor away from both references (own history and
-    peers), up or down. Training noise is 10-20 % and the downward trend of grad norms is slow, so x4 leaves a
-    wide margin while a corrupted local computation is typically x10 or more off."""
-    mad_k: float = 6.0
-    """... and more than this many robust standard deviations (MAD x 1.4826, in log space) from each reference."""
+    """Steps of own history needed before it is read; until then the spread of every rank at the step is the noise."""
+    blip_ratio: float = 1.3
+    """A residual is a blip only when the value is at least this factor off what its peers and its replica predict
+    (up or down). Healthy residuals are a few percent (seen: <= x1.21 on the independent source's clean runs); a
+    corrupted local computation is x1.5 or more."""
+    mad_k: float = 8.0
+    """... and more than this many robust standard deviations (MAD x 1.4826 of log residuals) of the larger of the
+    rank's own recent noise and every rank's at that step."""
+    max_ratio: float = 4.0
+    """The threshold never rises above this factor however noisy the rank: a x4 residual is always a blip."""
+    extreme_ratio: float = 4.0
+    """A blip this far off is confirmed alone; smaller ones need `min_blips` blips of the same rank."""
+    min_blips: int = 2
+    """Blips of one rank within `blip_window_steps` that confirm a moderate (below `extreme_ratio`) outlier."""
+    blip_window_steps: int = 200
+    """... counted from a blip to the one that confirms it."""
+    loss_near_steps: int = 1
+    """A loss blip of the rank's replica within this many steps of a gradient-norm blip corroborates it."""
     hardware_before_steps: int = 5
     """A new ECC DBE / XID up to this many steps before the onset corroborates it (fingerprint onsets: before the
     previous fingerprint step)."""
@@ -62,8 +82,11 @@ class CorruptionConfig:
         if self.history_steps < 3 or not 1 <= self.min_history <= self.history_steps:
             raise ValueError(f"CorruptionConfig: need history_steps >= 3 and 1 <= min_history <= history_steps, "
                              f"got {self.history_steps}, {self.min_history}")
-        if self.min_ratio <= 1.0 or self.mad_k <= 0:
-            raise ValueError(f"CorruptionConfig: min_ratio must be > 1 and mad_k > 0, got {self.min_ratio}, {self.mad_k}")
+        if not 1.0 < self.blip_ratio <= self.max_ratio or self.extreme_ratio <= 1.0 or self.mad_k <= 0:
+            raise ValueError(f"CorruptionConfig: need 1 < blip_ratio <= max_ratio, extreme_ratio > 1 and mad_k > 0, "
+                             f"got {self.blip_ratio}, {self.max_ratio}, {self.extreme_ratio}, {self.mad_k}")
+        if self.min_blips < 1 or self.blip_window_steps < 1 or self.loss_near_steps < 0:
+            raise ValueError("CorruptionConfig: need min_blips >= 1, blip_window_steps >= 1, loss_near_steps >= 0")
         if self.hardware_before_steps < 0 or self.hardware_after_steps < 0:
             raise ValueError("CorruptionConfig: hardware windows must be >= 0 steps")
         for name in ("blamed_confidence", "unblamed_confidence", "non_finite_confidence", "hardware_confidence"):
@@ -75,14 +98,28 @@ def detect_corruption(frames: Frames, config: CorruptionConfig = CorruptionConfi
     """Corruption incidents: value mismatches, first non-finite ranks, local grad-norm / loss outliers; each rank
     incident upgraded to `HARDWARE_ERROR` when a new device error corroborates it."""
     hw = hardware_errors(frames)
-    out: list[Incident] = []
-    for inc, lo in _value_mismatch(frames, config):
-        out.append(_corroborate(inc, hw, lo, config))
-    for inc in _non_finite(frames, config):
-        out.append(_corroborate(inc, hw, None, config))
-    for inc in _outliers(frames, config):
-        out.append(_corroborate(inc, hw, None, config))
-    return tuple(out)
+    found: list[tuple[Incident, int | None]] = list(_value_mismatch(frames, config))
+    found += [(inc, None) for inc in (*_non_finite(frames, config), *_outliers(frames, config))]
+    return tuple(_corroborate(inc, hw, lo, config) for inc, lo in _one_per_fault(found))
+
+
+def _one_per_fault(found: list[tuple[Incident, int | None]]) -> list[tuple[Incident, int | None]]:
+    """One incident per fault: a later trace (in the order value mismatch, non-finite, gradient norm, loss) on
+    ranks an earlier incident already names is the same fault seen again (a flipped parameter also moves the
+    rank's gradient norm; a rank goes non-finite after blipping); it is folded into that incident's evidence."""
+    out: list[tuple[Incident, int | None]] = []
+    for inc, lo in found:
+        into = next((i for i, (o, _) in enumerate(out) if set(o.ranks) & set(inc.ranks)), None)
+        if into is None:
+            out.append((inc, lo))
+            continue
+        o, olo = out[into]
+        also = f"{inc.cause} from step {inc.onset_step}"
+        out[into] = (replace(
+            o, id="", fields=o.fields + tuple(f for f in inc.fields if f not in o.fields),
+            evidence=o.evidence + inc.evidence, summary=f"{o.summary}; also {also}",
+        ), olo)
+    return out
 
 
 # -- value mismatch -------------------------------------------------------------------------------------------------
@@ -173,84 +210,181 @@ def _json_float(v: float | None) -> float | str | None:
 
 # -- outliers --------------------------------------------------------------------------------------------------------
 
-def outlier_scores(frames: Frames, column: str, config: CorruptionConfig = CorruptionConfig()) -> pl.DataFrame:
-    """Per rank per step, `column` (local_grad_norm or loss) in log space against two references: the rank's own
-    previous `history_steps` (rolling median / MAD) and its peers at the same step (median / MAD over the ranks of
-    its consistency domain: same tp shard and pipeline stage). `own_dev` / `peer_dev` are log10 deviations
-    (1.0 = a factor of 10 above, -1.0 = 10 below); `outlier` is true when both exceed the thresholds."""
+BLIP_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
+    "rank": pl.Int32, "step": pl.Int64, "dp": pl.Int32, "value": pl.Float64, "expected": pl.Float64,
+    "residual": pl.Float64, "scale": pl.Float64, "threshold": pl.Float64, "blip": pl.Boolean, "end_wall_ns": pl.Int64,
+}
+
+
+def blip_scores(frames: Frames, column: str, config: CorruptionConfig = CorruptionConfig(), *,
+                by_replica: bool = True) -> pl.DataFrame:
+    """Per rank per step, `column` (local_grad_norm or loss) against what the same step's other ranks predict.
+
+    `expected` is the value of its peers (the ranks of the same pipeline stage and tp shard in the other replicas:
+    the same model shard on other data; their median, or the other one's value when there are two), times, with
+    `by_replica`, the median deviation of its own replica's other shards from their peers when the replica has
+    >= 3 ranks (a long or short batch moves every shard of a replica together, so peers in other replicas are
+    comparable only in expectation; the loss is the replica's own, so it is read without). `residual` =
+    ln(value / expected); `scale` = the robust standard deviation (1.4826 x median |residual|) of the larger of the
+    rank's previous `history_steps` residuals and every rank's at the step. `blip` when |residual| > `threshold` =
+    mad_k x scale bounded to [ln blip_ratio, ln max_ratio]."""
+    topo = frames.topology
     s = frames.steps.select(Steps.RANK, Steps.STEP, Steps.END_WALL_NS, column).filter(
         pl.col(column).is_not_null() & pl.col(column).is_finite() & (pl.col(column) > 0)
     )
     if s.height == 0:
-        return pl.DataFrame(schema={"rank": pl.Int32, "step": pl.Int64, "value": pl.Float64, "own_dev": pl.Float64,
-                                    "peer_dev": pl.Float64, "outlier": pl.Boolean, "end_wall_ns": pl.Int64})
-    peers = _peer_key(frames)
-    s = s.join(peers, on=Steps.RANK, how="left").with_columns(pl.col("peer_group").fill_null("all"))
-    x = pl.col(column).log10()
-    w, m = config.history_steps, config.min_history
-    s = s.sort(Steps.RANK, Steps.STEP).with_columns(x.alias("x"))
-    s = s.with_columns(
-        pl.col("x").shift(1).rolling_median(window_size=w, min_samples=m).over(Steps.RANK).alias("own_med"),
-    ).with_columns((pl.col("x") - pl.col("own_med")).abs().alias("_absdev")).with_columns(
-        pl.col("_absdev").shift(1).rolling_median(window_size=w, min_samples=m).over(Steps.RANK).alias("own_mad"),
-    )
-    key = ["peer_group", Steps.STEP]
-    n = pl.len().over(key)
-    peer_med = pl.when(n >= 3).then(pl.col("x").median().over(key)).otherwise(
-        (pl.col("x").sum().over(key) - pl.col("x")) / (n - 1)  # two members: the other one's value
-    )
-    s = s.with_columns(n.alias("_n"), peer_med.alias("peer_med")).with_columns(
-        (pl.col("x") - pl.col("peer_med")).abs().median().over(key).alias("peer_mad")
-    )
-    lim = math.log10(config.min_ratio)
-    own_dev = pl.col("x") - pl.col("own_med")
-    peer_dev = pl.col("x") - pl.col("peer_med")
-    own_ok = own_dev.abs() > pl.max_horizontal(pl.lit(lim), config.mad_k * _MAD_SCALE * pl.col("own_mad"))
-    peer_ok = peer_dev.abs() > pl.max_horizontal(pl.lit(lim), config.mad_k * _MAD_SCALE * pl.col("peer_mad"))
-    return s.select(
-        pl.col(Steps.RANK).alias("rank"), pl.col(Steps.STEP).alias("step"), pl.col(column).alias("value"),
-        own_dev.alias("own_dev"), peer_dev.alias("peer_dev"),
-        (own_ok & peer_ok & (pl.col("_n") >= 2)).fill_null(False).alias("outlier"),
-        pl.col(Steps.END_WALL_NS).alias("end_wall_ns"),
-    )
-
-
-def _peer_key(frames: Frames) -> pl.DataFrame:
-    topo = frames.topology
+        return pl.DataFrame(schema=BLIP_SCHEMA)
     if topo.height:
-        return topo.select(
-            pl.col("rank").cast(pl.Int32), pl.format("pp{}.tp{}", pl.col("pp"), pl.col("tp")).alias("peer_group"),
-        ).unique("rank")
-    return pl.DataFrame(schema={"rank": pl.Int32, "peer_group": pl.String})
+        coords = topo.select(pl.col("rank").cast(pl.Int32), pl.col("dp").cast(pl.Int32),
+                             pl.format("pp{}.tp{}", pl.col("pp"), pl.col("tp")).alias("_peers")).unique("rank")
+        s = s.join(coords, on=Steps.RANK, how="left")
+    else:
+        s = s.with_columns(pl.lit(None, dtype=pl.Int32).alias("dp"), pl.lit(None, dtype=pl.String).alias("_peers"))
+    s = s.with_columns(pl.col("_peers").fill_null("all"), pl.col(column).log().alias("_x"))
+    peers = ["_peers", Steps.STEP]
+    n = pl.len().over(peers)
+    peer_ref = pl.when(n >= 3).then(pl.col("_x").median().over(peers)).otherwise(
+        (pl.col("_x").sum().over(peers) - pl.col("_x")) / (n - 1)  # two members: the other one's value
+    )
+    s = s.filter(n >= 2).with_columns((pl.col("_x") - peer_ref).alias("_r"))
+    if by_replica:
+        replica = ["dp", Steps.STEP]
+        m = pl.len().over(replica)
+        s = s.with_columns(
+            pl.when(pl.col("dp").is_not_null() & (m >= 3)).then(pl.col("_r").median().over(replica))
+            .otherwise(0.0).alias("_rep")
+        )
+    else:
+        s = s.with_columns(pl.lit(0.0).alias("_rep"))
+    s = s.with_columns((pl.col("_r") - pl.col("_rep")).alias("residual"))
+    s = s.sort(Steps.RANK, Steps.STEP).with_columns(
+        pl.col("residual").abs().shift(1)
+        .rolling_median(window_size=config.history_steps, min_samples=config.min_history).over(Steps.RANK)
+        .alias("_own"),
+        pl.col("residual").abs().median().over(Steps.STEP).alias("_step"),
+    )
+    scale = _MAD_SCALE * pl.max_horizontal("_own", "_step")
+    lo, hi = math.log(config.blip_ratio), math.log(config.max_ratio)
+    threshold = (config.mad_k * pl.col("scale")).clip(lo, hi)
+    return s.with_columns(scale.alias("scale")).with_columns(threshold.alias("threshold")).select(
+        pl.col(Steps.RANK).alias("rank"), pl.col(Steps.STEP).alias("step"), "dp",
+        pl.col(column).alias("value"), (pl.col("_x") - pl.col("residual")).exp().alias("expected"), "residual",
+        "scale", "threshold", (pl.col("residual").abs() > pl.col("threshold")).fill_null(False).alias("blip"),
+        pl.col(Steps.END_WALL_NS).alias("end_wall_ns"),
+    ).cast(BLIP_SCHEMA)  # type: ignore[arg-type]
+
+
+def _confirmed(blips: pl.DataFrame, config: CorruptionConfig) -> tuple[int, int] | None:
+    """(onset, confirming) blip steps of one rank: the first blip at least `extreme_ratio` off, or the first that
+    completes `min_blips` within `blip_window_steps`; the onset is the earliest blip counted. None: unconfirmed."""
+    steps = blips["step"].to_list()
+    extreme = math.log(config.extreme_ratio)
+    for i, (step, res) in enumerate(zip(steps, blips["residual"].to_list())):
+        window = [s for s in steps[: i + 1] if s > step - config.blip_window_steps]
+        if abs(res) >= extreme or len(window) >= config.min_blips:
+            return window[0], step
+    return None
+
+
+def _blip_rows(rows: pl.DataFrame) -> tuple[tuple[object, ...], ...]:
+    return tuple(
+        (int(r), int(st), round(v, 6), round(e, 6), round(math.exp(res), 3), round(abs(res) / sc, 1) if sc else None)
+        for r, st, v, e, res, sc in rows.select("rank", "step", "value", "expected", "residual", "scale").iter_rows()
+    )
+
+
+_BLIP_COLUMNS = ("rank", "step", "value", "expected", "factor", "robust_z")
 
 
 def _outliers(frames: Frames, config: CorruptionConfig) -> list[Incident]:
+    """Gradient-norm outliers (one incident per confirmed rank, its replica's loss blips at the same steps as
+    corroboration), then loss outliers no gradient-norm incident explains (one per replica)."""
     out: list[Incident] = []
-    for column, cause, label in ((Steps.LOCAL_GRAD_NORM, Cause.GRAD_NORM_OUTLIER, "local gradient norm"),
-                                 (Steps.LOSS, Cause.LOSS_OUTLIER, "loss")):
-        scores = outlier_scores(frames, column, config)
-        hits = scores.filter(pl.col("outlier"))
-        if hits.height == 0:
+    gn = blip_scores(frames, Steps.LOCAL_GRAD_NORM, config).filter(pl.col("blip")).sort("rank", "step")
+    # Corroboration asks less than an incident: a loss residual past mad_k robust sd, whatever its size (the loss
+    # averages the whole replica's batch, so a corrupted shard moves it by less than its own gradient norm).
+    loss = blip_scores(frames, Steps.LOSS, config, by_replica=False).filter(
+        pl.col("blip") | (pl.col("residual").abs() > config.mad_k * pl.col("scale"))).sort("rank", "step")
+    explained: list[pl.DataFrame] = []  # loss blips a gradient-norm incident accounts for
+    near = config.loss_near_steps
+    for (rank,), rows in gn.group_by("rank", maintain_order=True):
+        hit = _confirmed(rows, config)
+        if hit is None:
             continue
-        firsts = hits.group_by("rank").agg(pl.col("step").min().alias("onset"), pl.len().alias("n")).sort("rank")
-        for rank, onset, n in firsts.iter_rows():
-            rows = hits.filter(pl.col("rank") == rank).sort("step")
-            first = rows.row(0, named=True)
-            factor = 10 ** abs(first["peer_dev"])
-            direction = "above" if first["peer_dev"] > 0 else "below"
-            out.append(Incident(
-                klass=IncidentClass.CORRUPTION, subject=Subject(kind=SubjectKind.RANK, id=str(rank)), ranks=(rank,),
-                onset_step=onset, detection_step=onset, confidence=config.blamed_confidence, cause=cause,
-                summary=f"rank {rank}'s {label} at step {onset} was x{factor:.1f} {direction} its peers and "
-                        f"x{10 ** abs(first['own_dev']):.1f} off its own recent history ({n} outlier step(s))",
-                detection_wall_ns=first["end_wall_ns"], fields=(str(column),),
-                evidence=(Evidence(
-                    source=f"steps.{column}",
-                    summary="outlier steps: log10 deviation from own rolling median and from peers' median",
-                    columns=("rank", "step", "value", "own_dev", "peer_dev"),
-                    rows=tuple(rows.select("rank", "step", "value", "own_dev", "peer_dev").iter_rows()),
-                ),),
+        onset, confirm = hit
+        rows = rows.filter(pl.col("step") >= onset)
+        first = rows.row(0, named=True)
+        dp = first["dp"]
+        lrows = loss.clear()
+        if dp is not None and loss.height:
+            lrows = (loss.filter(pl.col("dp") == dp).join(rows.select(pl.col("step").alias("_gn")), how="cross")
+                     .filter((pl.col("step") - pl.col("_gn")).abs() <= near)
+                     .drop("_gn").unique(["rank", "step"]).sort("step", "rank"))
+        explained.append(lrows)
+        factor = math.exp(first["residual"])
+        direction = "above" if factor > 1 else "below"
+        fields: tuple[str, ...] = (str(Steps.LOCAL_GRAD_NORM),)
+        evidence = [Evidence(
+            source=f"steps.{Steps.LOCAL_GRAD_NORM}",
+            summary=("blips: the local gradient norm against what its peers (same shard, other replicas) and its "
+                     "replica (other shards) predict at the step; factor = value / expected, robust_z in units of the "
+                     "larger of its own recent noise and every rank's at the step"),
+            columns=_BLIP_COLUMNS, rows=_blip_rows(rows),
+        )]
+        loss_note = ""
+        if lrows.height:
+            fields += (str(Steps.LOSS),)
+            evidence.append(Evidence(
+                source=f"steps.{Steps.LOSS}",
+                summary=f"loss blips of replica dp={dp} within {near} step(s) of the gradient-norm blips",
+                columns=_BLIP_COLUMNS, rows=_blip_rows(lrows),
             ))
+            loss_note = f"; its replica's loss blipped at {lrows['step'].n_unique()} of those steps"
+        out.append(Incident(
+            klass=IncidentClass.CORRUPTION, subject=Subject(kind=SubjectKind.RANK, id=str(rank)), ranks=(int(rank),),
+            onset_step=onset, detection_step=confirm, confidence=config.blamed_confidence, cause=Cause.GRAD_NORM_OUTLIER,
+            summary=f"rank {rank}'s local gradient norm at step {onset} was x{max(factor, 1 / factor):.2f} {direction} "
+                    f"what its peers and replica predicted; {rows.height} blip(s) from then on, confirmed at step "
+                    f"{confirm}{loss_note}",
+            detection_wall_ns=int(rows.filter(pl.col("step") == confirm)["end_wall_ns"][0] or 0) or None,
+            fields=fields, evidence=tuple(evidence),
+        ))
+    if loss.height:
+        rest = loss.filter(pl.col("blip"))
+        rest = rest.join(pl.concat(explained), on=["rank", "step"], how="anti") if explained else rest
+        out.extend(_loss_outliers(rest, config))
+    return out
+
+
+def _loss_outliers(loss: pl.DataFrame, config: CorruptionConfig) -> list[Incident]:
+    """Loss blips confirmed per replica (the ranks of a replica's last stage share its loss): RANK subject when one
+    rank carries it, else REPLICA."""
+    out: list[Incident] = []
+    loss = loss.with_columns(pl.coalesce(pl.col("dp").cast(pl.String), pl.format("r{}", pl.col("rank"))).alias("_g"))
+    for (_,), rows in loss.sort("step", "rank").group_by("_g", maintain_order=True):
+        per_step = rows.group_by("step", maintain_order=True).agg(pl.col("residual").first())
+        hit = _confirmed(per_step, config)
+        if hit is None:
+            continue
+        onset, confirm = hit
+        rows = rows.filter(pl.col("step") >= onset)
+        ranks = sorted(set(rows["rank"].to_list()))
+        dp = rows["dp"][0]
+        subject = (Subject(kind=SubjectKind.RANK, id=str(ranks[0])) if len(ranks) == 1
+                   else Subject(kind=SubjectKind.REPLICA, id=f"dp={dp}"))
+        first = rows.row(0, named=True)
+        factor = math.exp(first["residual"])
+        out.append(Incident(
+            klass=IncidentClass.CORRUPTION, subject=subject, ranks=tuple(ranks), onset_step=onset,
+            detection_step=confirm, confidence=config.blamed_confidence, cause=Cause.LOSS_OUTLIER,
+            summary=f"{subject}'s loss at step {onset} was x{max(factor, 1 / factor):.2f} "
+                    f"{'above' if factor > 1 else 'below'} its peers'; {rows['step'].n_unique()} blip step(s), "
+                    f"confirmed at step {confirm}",
+            detection_wall_ns=int(rows.filter(pl.col("step") == confirm)["end_wall_ns"][0] or 0) or None,
+            fields=(str(Steps.LOSS),),
+            evidence=(Evidence(source=f"steps.{Steps.LOSS}", summary="loss blips against the same shard's peers",
+                               columns=_BLIP_COLUMNS, rows=_blip_rows(rows)),),
+        ))
     return out
 
 

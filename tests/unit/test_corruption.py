@@ -66,6 +66,103 @@ def test_spike_on_every_rank_at_once_is_not_a_rank_outlier() -> None:
     assert detect_corruption(Frames.build(topology=_topology(), steps=steps)) == ()
 
 
+def _sharded(seed: int = 0, dp: int = 4, tp: int = 2, pp: int = 2, steps: int = STEPS,
+             blips: dict[tuple[int, int], float] | None = None,
+             replica: dict[tuple[int, int], float] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """rank = tp + tp * (dp_coord + dp * pp_coord). Each tp shard has its own grad-norm level, each (replica, step) a
+    shared batch factor (sequence-length skew), each rank 3 % noise; `blips` (rank, step) -> factor on one rank,
+    `replica` (dp, step) -> factor on every shard of a replica. The last stage has the replica's loss."""
+    rng = np.random.default_rng(seed)
+    rows, ranks = [], dp * tp * pp
+    topo = pl.DataFrame([{"rank": t + tp * (d + dp * p), "world_size": ranks, "dp": d, "tp": t, "pp": p,
+                          "role": f"pp={p}"} for p in range(pp) for d in range(dp) for t in range(tp)])
+    batch = rng.lognormal(0.0, 0.07, (dp, steps))
+    loss = 2.0 * np.exp(-np.arange(steps) / 90.0)[None, :] * rng.lognormal(0.0, 0.01, (dp, steps))
+    for r, d, t, p in topo.select("rank", "dp", "tp", "pp").iter_rows():
+        level = 0.5 + t
+        for st in range(steps):
+            g = level * np.exp(-st / 70.0) * batch[d, st] * rng.lognormal(0.0, 0.03)
+            g *= (blips or {}).get((r, st), 1.0) * (replica or {}).get((d, st), 1.0)
+            rows.append({"rank": r, "step": st, "end_wall_ns": (st + 1) * S, "local_grad_norm": g,
+                         "loss": float(loss[d, st]) if p == pp - 1 else None, "all_finite": True})
+    return topo, pl.DataFrame(rows, infer_schema_length=None)
+
+
+def test_moderate_blips_repeated_on_one_rank_are_one_incident() -> None:
+    topo, steps = _sharded(blips={(9, 40): 2.0, (9, 75): 1.7, (9, 90): 2.5})
+    (inc,) = detect_corruption(Frames.build(topology=topo, steps=steps))
+    assert (inc.subject.kind, inc.subject.id, inc.ranks, inc.cause) == (
+        SubjectKind.RANK, "9", (9,), Cause.GRAD_NORM_OUTLIER)
+    assert (inc.onset_step, inc.detection_step) == (40, 75)
+    (ev,) = inc.evidence
+    assert [row[1] for row in ev.rows] == [40, 75, 90]
+
+
+def test_one_moderate_blip_is_not_confirmed_but_an_extreme_one_is() -> None:
+    topo, steps = _sharded(blips={(9, 40): 2.0})
+    assert detect_corruption(Frames.build(topology=topo, steps=steps)) == ()
+    topo, steps = _sharded(blips={(9, 40): 6.0})
+    (inc,) = detect_corruption(Frames.build(topology=topo, steps=steps))
+    assert (inc.subject.id, inc.onset_step, inc.detection_step) == ("9", 40, 40)
+
+
+def test_blips_too_far_apart_are_not_confirmed() -> None:
+    cfg = CorruptionConfig()
+    topo, steps = _sharded(steps=cfg.blip_window_steps + 60, blips={(9, 20): 2.0, (9, 20 + cfg.blip_window_steps): 2.0})
+    assert detect_corruption(Frames.build(topology=topo, steps=steps), cfg) == ()
+
+
+def test_a_whole_replica_moving_together_is_not_a_rank_blip() -> None:
+    """Every shard of replica 1 x1.8 at three steps: a long batch, which its peers in other replicas did not see."""
+    topo, steps = _sharded(replica={(1, 30): 1.8, (1, 50): 1.8, (1, 70): 1.8})
+    assert detect_corruption(Frames.build(topology=topo, steps=steps)) == ()
+
+
+def test_small_repeated_deviations_below_the_floor_are_not_blips() -> None:
+    topo, steps = _sharded(blips={(9, st): 1.2 for st in range(20, 110, 10)})
+    assert detect_corruption(Frames.build(topology=topo, steps=steps)) == ()
+
+
+def test_the_replicas_loss_corroborates_and_is_no_second_incident() -> None:
+    """Rank 3 (replica 1, stage 0) blips; the replica's loss (on its last-stage ranks 10, 11) rises 15 % at the same
+    steps."""
+    topo, steps = _sharded(blips={(3, 40): 2.2, (3, 60): 2.4})
+    steps = steps.with_columns(
+        pl.when(pl.col("rank").is_in([10, 11]) & pl.col("step").is_in([40, 60])).then(pl.col("loss") * 1.15)
+        .otherwise(pl.col("loss")).alias("loss"))
+    (inc,) = detect_corruption(Frames.build(topology=topo, steps=steps))
+    assert (inc.subject.id, inc.cause) == ("3", Cause.GRAD_NORM_OUTLIER)
+    assert inc.fields == ("local_grad_norm", "loss")
+    assert {row[0] for row in inc.evidence[1].rows} == {10, 11}
+
+
+def test_a_loss_outlier_shared_by_a_replica_is_one_replica_incident() -> None:
+    topo, steps = _sharded()
+    steps = steps.with_columns(
+        pl.when(pl.col("rank").is_in([10, 11]) & (pl.col("step") == 50)).then(pl.col("loss") * 10)
+        .otherwise(pl.col("loss")).alias("loss"))
+    (inc,) = detect_corruption(Frames.build(topology=topo, steps=steps))
+    assert (inc.subject.kind, inc.subject.id, inc.ranks, inc.cause) == (
+        SubjectKind.REPLICA, "dp=1", (10, 11), Cause.LOSS_OUTLIER)
+
+
+def test_a_flipped_parameter_that_also_moves_the_gradient_norm_is_one_incident() -> None:
+    topo = _topology(4)
+    fp = []
+    for r in range(4):
+        for st in range(0, 120, 10):
+            fp.append({"rank": r, "step": st, "wall_ns": st * S, "domain": "dp.pp0.tp0", "domain_ranks": [0, 1, 2, 3],
+                       "param_hash": f"p{st}" + ("x" if r == 1 and st >= 40 else ""), "optim_hash": f"o{st}",
+                       "rng_python_hash": "a", "rng_numpy_hash": "b", "rng_torch_hash": f"t{st}",
+                       "rng_cuda_hash": None, "data_position": st})
+    steps = _steps(ranks=4).with_columns(
+        pl.when((pl.col("rank") == 1) & pl.col("step").is_in([41, 45])).then(pl.col("local_grad_norm") * 30)
+        .otherwise(pl.col("local_grad_norm")).alias("local_grad_norm"))
+    (inc,) = detect_corruption(Frames.build(topology=topo, steps=steps, fingerprints=pl.DataFrame(fp)))
+    assert (inc.subject.id, inc.cause, inc.onset_step) == ("1", Cause.VALUE_MISMATCH, 40)
+    assert "local_grad_norm" in inc.fields and "also grad_norm_outlier" in inc.summary
+
+
 def test_loss_outlier() -> None:
     steps = _steps().with_columns(
         pl.when((pl.col("rank") == 2) & (pl.col("step") == 50)).then(pl.col("loss") * 20).otherwise(pl.col("loss")))
