@@ -111,6 +111,12 @@ class StragglerConfig:
     """... and at least this share of its ranks are above the other stages' median by half that amount."""
     skew_excess: float = 0.15
     """A step is skewed when its slowest rank's excess over its peers is above this (noise max at 2048 ranks ~3 %)."""
+    replica_skew: float = 0.04
+    """Replica-level data skew: the median over steps of the spread (1.4826 x MAD) of the replicas' compute factors
+    at a step must be at least this (4 %: a healthy job's replicas agree within ~1 %) ..."""
+    replica_skew_ratio: float = 3.0
+    """... and at least this many times the per-step noise left once the replica factor is out, so a noisy job
+    whose ranks jitter independently (a replica's median of them jitters less than each) never reads as skew."""
     skew_step_share: float = 0.5
     """Data skew needs more than this share of steps skewed ..."""
     skew_rank_share: float = 0.1
@@ -124,12 +130,20 @@ class StragglerConfig:
     """Per-step spread of the excess (1.4826 x MAD over all rank-steps) the excess thresholds above are stated for:
     a GPU job's step-to-step jitter. When a run is noisier (CPU ranks sharing cores: 20-40 %), every excess
     threshold scales by measured / nominal, so the rules keep the same false-alarm rate in units of its noise."""
+    baseline_steps: int = 15
+    """A rank's first this many steps are its baseline: the median excess over them is its device's own speed."""
+    baseline_cap: float = 0.05
+    """Up to this much of a rank's baseline excess (either sign) is taken as its device's speed and subtracted
+    before the rules run: the hardware spread of healthy devices (the slowest of a few hundred sits 3-5 % above
+    its peers all run long). Without a change point, a constant offset that small cannot be told from that spread;
+    a rank slower than this from its first step still fires with the rest of its excess, and a slowdown that starts
+    later is measured against the rank's own baseline."""
     nominal_transfer_noise: float = 0.03
     """Step-to-step spread of a group's log transfer time that `link_excess` is stated for; scales the same way."""
 
     def __post_init__(self) -> None:
         for name in ("score_window", "sustain_window", "burst_window", "recur_window", "recur_count", "episode_gap",
-                     "link_window", "min_steps"):
+                     "link_window", "min_steps", "baseline_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"StragglerConfig.{name}={getattr(self, name)}: must be >= 1")
         if not 1 <= self.sustain_count <= self.sustain_window:
@@ -138,7 +152,8 @@ class StragglerConfig:
             raise ValueError("StragglerConfig: merge_gap must be >= 0, min_peers >= 2, checkpoint_count >= 1")
         for name in ("cusum_reference", "cusum_threshold", "cusum_clip", "sustain_excess", "burst_excess",
                      "clock_drop", "checkpoint_excess", "checkpoint_min_share", "link_excess", "stage_excess",
-                     "skew_excess", "nominal_noise", "nominal_transfer_noise"):
+                     "skew_excess", "nominal_noise", "nominal_transfer_noise", "baseline_cap", "replica_skew",
+                     "replica_skew_ratio"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"StragglerConfig.{name}={getattr(self, name)}: must be > 0")
         for name in ("cause_share", "throttle_share", "host_share", "stage_rank_share", "skew_step_share",
@@ -152,12 +167,12 @@ def detect_stragglers(frames: Frames, config: StragglerConfig = StragglerConfig(
     if frames.steps.height == 0 or frames.last_step - int(frames.steps[_S].min()) + 1 < config.min_steps:  # type: ignore[arg-type]
         return ()
     own = _own_table(frames, config)
-    config = _scaled(config, _noise(own) / config.nominal_noise)
-    table = _fire_table(own, config)
+    config = _scaled(config, _noise(_baselined(own, config.baseline_steps, None)) / config.nominal_noise)
+    table = _fire_table(_baselined(own, config.baseline_steps, config.baseline_cap), config)
     incidents: list[Incident] = []
     stage = _stage_imbalance(table, config)
     incidents.extend(stage)
-    skew = _data_skew(table, config)
+    skew = _replica_skew(table, config, noise=_noise(table)) or _data_skew(table, config)
     ranks = _rank_incidents(frames, table, config, skew_found=bool(skew))
     incidents.extend(_group_hosts(frames, ranks, config))
     incidents.extend(_checkpoint_stragglers(frames, table, config, already={i.ranks[0] for i in ranks}))
@@ -175,17 +190,28 @@ def _scaled(config: StragglerConfig, factor: float) -> StragglerConfig:
         return config
     return replace(config, **{name: getattr(config, name) * factor for name in (
         "cusum_reference", "cusum_threshold", "cusum_clip", "sustain_excess", "burst_excess", "stage_excess",
-        "skew_excess")})
+        "skew_excess", "baseline_cap")})
 
 
 def _excess_table(frames: Frames, config: StragglerConfig) -> pl.DataFrame:
     """One row per rank-step: own time, its peers' medians, excess, the CUSUM and the two firing rules."""
-    return _fire_table(_own_table(frames, config), config)
+    return _fire_table(_baselined(_own_table(frames, config), config.baseline_steps, config.baseline_cap), config)
+
+
+def _baselined(own: pl.DataFrame, steps: int, cap: float | None) -> pl.DataFrame:
+    """`own` with each rank's baseline (the median excess of its first `steps` steps, clipped to +-`cap`; None =
+    unclipped) subtracted from `x`; the excess against the peers as measured stays in `x_raw`."""
+    base = own.sort(_S).group_by(_R).agg(pl.col("x").head(steps).median().alias("_b"))
+    b = pl.col("_b").fill_null(0.0)
+    b = b if cap is None else b.clip(-cap, cap)
+    return own.join(base, on=_R, how="left").with_columns(pl.col("x").alias("x_raw"), (pl.col("x") - b).alias("x")
+                                                          ).drop("_b").sort(_R, _S)
 
 
 def _own_table(frames: Frames, config: StragglerConfig) -> pl.DataFrame:
     """One row per rank-step: own time, its peers' medians and the excess x."""
-    topo = frames.topology.select(_R, _ROLE, Topology.HOST.value, Topology.PP.value).unique(_R, keep="last")
+    topo = frames.topology.select(_R, _ROLE, Topology.HOST.value, Topology.PP.value, Topology.DP.value).unique(
+        _R, keep="last")
     steps = frames.steps.select(
         _R, _S, Steps.END_WALL_NS.value, Steps.COMPUTE_NS.value, Steps.DATALOADER_WAIT_NS.value,
         Steps.CHECKPOINT_NS.value,
@@ -197,13 +223,15 @@ def _own_table(frames: Frames, config: StragglerConfig) -> pl.DataFrame:
     # a batch (the fetch is inside the step): adding the dataloader wait would count it twice.
     device = frames.clock is Clock.DEVICE
     steps = steps.with_columns(
-        comp.alias("comp"), dl.alias("dl"), ck.alias("ck"), (comp if device else comp + dl).alias("own"),
+        comp.alias("comp"), dl.alias("dl"), ck.alias("ck"),
         pl.col(_ROLE).fill_null("job"), pl.col(Topology.PP.value).fill_null(0),
     )
     role_size = steps.group_by(_ROLE).agg(pl.col(_R).n_unique().alias("role_size"))
     steps = steps.join(role_size, on=_ROLE).with_columns(
         pl.when(pl.col("role_size") >= config.min_peers).then(pl.col(_ROLE)).otherwise(pl.lit("job")).alias("peer")
     )
+    steps = _replica_adjusted(steps, config).with_columns(
+        (pl.col("comp") if device else pl.col("comp") + pl.col("dl")).alias("own"))
     # Expected own time = the peers' median compute + their median dataloader wait, so a slow host input pipeline
     # is seen as long as the host holds at most half of a role (hosts >= 2 * pp with contiguous placement).
     meds = steps.group_by("peer", _S).agg(
@@ -216,6 +244,38 @@ def _own_table(frames: Frames, config: StragglerConfig) -> pl.DataFrame:
             pl.when(pl.col("med_own") > 0).then(pl.col("own") / pl.col("med_own") - 1.0).otherwise(0.0).alias("x")
         )
     )
+
+
+_DP = Topology.DP.value
+_REPLICA_MIN = 4
+"""Ranks a replica needs at a step for its shared factor to be taken out: the lower median of four or more is
+still a healthy rank's value with two slow ranks among them."""
+
+
+def _replica_adjusted(steps: pl.DataFrame, config: StragglerConfig) -> pl.DataFrame:
+    """Take out of each rank's compute the per-step variation its whole data-parallel replica shares.
+
+    The ranks of one replica (same `dp` coordinate: every stage and tensor-parallel shard of it) work on the same
+    batch, so a long batch slows all of them together; against stage peers in other replicas each looks 5-20 %
+    slow or fast at random, which is the batch's doing, not the rank's. The replica's factor at a step is the lower
+    median over its ranks of compute / stage-median compute (a healthy rank's value while at most two of
+    `_REPLICA_MIN` or more are slow); it is divided out of compute, so each rank is compared with its stage peers
+    as if every replica had drawn the same batch. The price: a slowdown of a whole replica at once (every rank of
+    it) is taken for its batches and not seen by the rank rules. Replicas of fewer ranks are left as they are (a
+    rank would be its own replica's median; there per-step skew stays in the noise).
+    Adds `comp_raw` (as measured) and `rep_f` / `rep_n` (the replica's factor and ranks at the step)."""
+    dp = steps.get_column(_DP) if _DP in steps.columns else None
+    if dp is None or dp.null_count() == dp.len():
+        return steps.with_columns(pl.col("comp").alias("comp_raw"), pl.lit(None, pl.Float64).alias("rep_f"),
+                                  pl.lit(0, pl.UInt32).alias("rep_n"))
+    med = pl.col("comp").median().over("peer", _S)
+    t = steps.with_columns(pl.when(med > 0).then(pl.col("comp") / med - 1.0).otherwise(None).alias("_rc"))
+    rep = t.group_by(_DP, _S).agg(pl.col("_rc").quantile(0.5, interpolation="lower").alias("rep_f"),
+                                  pl.col("_rc").count().alias("rep_n"))
+    t = t.join(rep, on=[_DP, _S], how="left")
+    shared = pl.when(pl.col("rep_n") >= _REPLICA_MIN).then(pl.col("rep_f")).otherwise(0.0).fill_null(0.0)
+    return t.with_columns(pl.col("comp").alias("comp_raw"),
+                          (pl.col("comp") / (1.0 + shared).clip(0.2, None)).alias("comp")).drop("_rc")
 
 
 def _fire_table(own: pl.DataFrame, config: StragglerConfig) -> pl.DataFrame:
@@ -385,7 +445,7 @@ def _rank_incident(rank: int, group: list[_Episode], rows: pl.DataFrame, clock: 
     ep = rows.filter(mask)
     slow = ep.filter(pl.col("x") > config.sustain_excess)
     slow = slow if slow.height else ep
-    effect = float(slow.get_column("x").median())  # type: ignore[arg-type]
+    effect = float(slow.get_column("x_raw" if "x_raw" in slow.columns else "x").median())  # type: ignore[arg-type]
     ex_own = float((slow["own"] - slow["med_own"]).sum())
     ex_dl = float((slow["dl"] - slow["med_dl"]).sum())
     cause, cause_note, gpu_ev = Cause.UNKNOWN, "", None
@@ -412,7 +472,8 @@ def _rank_incident(rank: int, group: list[_Episode], rows: pl.DataFrame, clock: 
                 f"role peers; excess {effect:.1%} median over {slow.height} slow steps, noise {noise:.2%} per step",
         columns=("rank", "step", comp_col, "dataloader_wait_ns", "peer_median_ns", "ratio"),
         rows=tuple((rank, int(s), int(c), int(d), int(m), round(1 + float(xx), 4)) for s, c, d, m, xx in
-                   slow.select(_S, "comp", "dl", "med_own", "x").head(20).iter_rows()),
+                   slow.select(_S, "comp_raw" if "comp_raw" in slow.columns else "comp", "dl", "med_own",
+                               "x_raw" if "x_raw" in slow.columns else "x").head(20).iter_rows()),
     )]
     if gpu_ev is not None:
         evidence.append(gpu_ev)
@@ -826,5 +887,52 @@ def _data_skew(table: pl.DataFrame, config: StragglerConfig) -> list[Incident]:
             columns=("step", "rank", "ratio"),
             rows=tuple((int(s), int(r), round(1 + float(x), 4)) for s, r, x in
                        skewed.select(_S, "late_rank", "xmax").head(20).iter_rows()),
+        ),),
+    )]
+
+
+def _replica_skew(table: pl.DataFrame, config: StragglerConfig, *, noise: float) -> list[Incident]:
+    """Random per-step data skew between data-parallel replicas (sequence-length imbalance: each replica's batch
+    is long or short together), read step by step: the replicas' compute factors (`_replica_adjusted`) spread
+    widely at most steps, and the late replica is a different one from step to step — no replica is late more
+    often than chance among them would make it (binomial, Bonferroni over replicas). One replica late at every
+    step is a slow replica, not skew."""
+    if "rep_f" not in table.columns:
+        return []
+    rep = (table.filter((pl.col("rep_n") >= _REPLICA_MIN) & pl.col("rep_f").is_not_null())
+           .unique([_DP, _S]).select(_DP, _S, "rep_f", Steps.END_WALL_NS.value))
+    per = (rep.group_by(_S).agg(
+        pl.len().alias("n"), (1.4826 * (pl.col("rep_f") - pl.col("rep_f").median()).abs().median()).alias("spread"),
+        pl.col(_DP).sort_by("rep_f").last().alias("late"), pl.col(Steps.END_WALL_NS.value).max().alias("wall"))
+        .filter(pl.col("n") >= 4).sort(_S))
+    if per.height < config.min_steps:
+        return []
+    spread = float(per.get_column("spread").median())  # type: ignore[arg-type]
+    if spread < max(config.replica_skew, config.replica_skew_ratio * noise):
+        return []
+    replicas = int(per.get_column("n").median())  # type: ignore[arg-type]
+    counts = per.group_by("late").len()
+    top = int(counts.get_column("len").max())  # type: ignore[arg-type]
+    if _binom_tail(top, per.height, 1.0 / replicas) * replicas < config.chance_alpha:
+        return []
+    wide = per.filter(pl.col("spread") >= config.replica_skew)
+    det_row = wide.row(min(config.min_steps, wide.height) - 1, named=True) if wide.height else per.row(-1, named=True)
+    ranks = sorted(int(r) for r in table.filter(pl.col("rep_n") >= _REPLICA_MIN).get_column(_R).unique())
+    return [Incident(
+        klass=IncidentClass.IMBALANCE, subject=Subject(kind=SubjectKind.JOB, id="job"), ranks=tuple(ranks),
+        onset_step=int(per.get_column(_S)[0]), detection_step=int(det_row[_S]), detection_wall_ns=det_row["wall"],
+        confidence=min(0.99, 0.5 + 0.49 * math.tanh(spread / (2 * max(config.replica_skew, config.replica_skew_ratio
+                                                                          * noise)) - 0.5)),
+        cause=Cause.DATA_SKEW,
+        summary=f"data skew between replicas: at a median step the {replicas} data-parallel replicas' compute "
+                f"spreads {spread:.1%} (every rank of a replica slow or fast together, per-step noise within "
+                f"replicas {noise:.1%}); the late replica changes from step to step ({counts.height} different, "
+                f"none late in more than {top} of {per.height} steps): batch content, not a device",
+        fields=("compute_ns",),
+        evidence=(Evidence(
+            source="steps", summary="per step: spread of the replicas' compute factors and the late replica",
+            columns=("step", "replicas", "spread", "late_replica"),
+            rows=tuple((int(st), int(n), round(float(sp), 4), int(lt)) for st, n, sp, lt in
+                       per.select(_S, "n", "spread", "late").head(20).iter_rows()),
         ),),
     )]

@@ -3,6 +3,7 @@ per-step lognormal noise (sigma 1 %) and per-rank hardware factors (+-0.5 %)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,8 @@ class Job:
     pp: int = 2
     hosts: int = 8
     seed: int = 0
+    tp: int = 1
+    """Ranks per replica-stage: rank = stage * (ranks / pp) + dp * tp + tp index."""
     compute: np.ndarray = field(init=False)
     dl: np.ndarray = field(init=False)
     ck: np.ndarray = field(init=False)
@@ -52,6 +55,16 @@ class Job:
     def stage_of(self, rank: int) -> int:
         return rank // (self.ranks // self.pp)
 
+    def replica_of(self, rank: int) -> int:
+        return rank % (self.ranks // self.pp) // self.tp
+
+    def skew_replicas(self, cv: float) -> None:
+        """Every replica's batch content varies per step: all its ranks (every stage and shard) slower or faster
+        together by a lognormal factor of spread `cv`."""
+        replicas = self.ranks // self.pp // self.tp
+        f = self.rng.lognormal(0.0, cv, size=(replicas, self.steps))
+        self.compute *= f[[self.replica_of(r) for r in range(self.ranks)]]
+
     def frames(self, **extra: pl.DataFrame) -> Frames:
         r, s = np.meshgrid(np.arange(self.ranks), np.arange(self.steps), indexing="ij")
         own = self.compute + self.dl + self.ck
@@ -68,6 +81,7 @@ class Job:
             "rank": np.arange(self.ranks), "world_size": self.ranks,
             "host": [self.host_of(i) for i in range(self.ranks)],
             "pp": [self.stage_of(i) for i in range(self.ranks)],
+            "dp": [self.replica_of(i) for i in range(self.ranks)],
             "role": [f"pp={self.stage_of(i)}" for i in range(self.ranks)],
             "device_uuid": [f"GPU-{i}" for i in range(self.ranks)],
         })
@@ -276,3 +290,59 @@ def test_too_short_or_empty_runs_have_no_incident() -> None:
 def test_config_validation(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="StragglerConfig"):
         StragglerConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_batch_skew_shared_within_replicas_is_one_job_imbalance_and_keeps_a_subtle_straggler_visible() -> None:
+    """Sequence-length skew makes every rank of a replica slow or fast together (10 % per step); against stage peers
+    in other replicas each rank looks 10 % off at random. The replica factor is taken out: the skew is one IMBALANCE
+    (job, data_skew) and a 7 % straggler starting at step 150 is still found, with nobody else."""
+    job = Job(seed=21, ranks=128, pp=2, tp=4, hosts=16)
+    job.skew_replicas(0.10)
+    job.slow(45, 1.07, start=150)
+    incs = detect_stragglers(job.frames())
+    got = sorted((i.klass, i.subject.kind, i.subject.id, i.cause) for i in incs)
+    assert got == [(IncidentClass.IMBALANCE, SubjectKind.JOB, "job", Cause.DATA_SKEW),
+                   (IncidentClass.STRAGGLER, SubjectKind.RANK, "45", Cause.UNKNOWN)], got
+    strag = next(i for i in incs if i.klass is IncidentClass.STRAGGLER)
+    err, delay = _timing(strag, 150)
+    assert err <= 3 and delay <= 10
+
+
+def test_one_replica_late_at_every_step_is_not_data_skew() -> None:
+    """The late replica must change from step to step: a replica whose batches are always the longest is no skew."""
+    job = Job(seed=22, ranks=128, pp=2, tp=4, hosts=16)
+    job.skew_replicas(0.01)
+    for r in range(job.ranks):
+        job.compute[r] *= 1 + 0.3 * (job.replica_of(r) == 3) + 0.1 * job.replica_of(r) / 16
+    assert not [i for i in detect_stragglers(job.frames()) if i.cause is Cause.DATA_SKEW]
+
+
+def test_noisy_ranks_jittering_independently_are_not_data_skew() -> None:
+    """CPU ranks sharing cores jitter 25 % each, independently: a replica's median of them jitters less than each
+    rank, so the replicas' spread never reads as skew."""
+    job = Job(seed=23, ranks=64, pp=2, tp=4, hosts=8)
+    job.compute *= job.rng.lognormal(0.0, 0.25, size=job.compute.shape)
+    assert detect_stragglers(job.frames()) == ()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_device_four_percent_slow_all_run_is_its_speed_not_a_straggler(seed: int) -> None:
+    """A healthy device's hardware spread: 4 % slower than its peers from the first step to the last, no change
+    point. Measured against its own baseline it is no incident, while the same device slowing by another 8 % at
+    step 150 is a straggler from then on."""
+    job = Job(seed=30 + seed)
+    job.slow(9, 1.04)
+    assert detect_stragglers(job.frames()) == ()
+    job.slow(9, 1.08, start=150)
+    (inc,) = detect_stragglers(job.frames())
+    err, delay = _timing(inc, 150)
+    assert inc.subject.id == "9" and err <= 3 and delay <= 10
+    effect = float(re.search(r"computes ([0-9.]+)% slower", inc.summary).group(1))  # type: ignore[union-attr]
+    assert 10.0 < effect < 14.5  # the excess over the peers as measured (1.04 * 1.08), not over its own baseline
+
+
+def test_a_rank_much_slower_from_its_first_step_is_still_a_straggler() -> None:
+    job = Job(seed=33)
+    job.slow(20, 1.25)
+    (inc,) = detect_stragglers(job.frames())
+    assert inc.subject.id == "20" and inc.onset_step is not None and inc.onset_step <= 3
