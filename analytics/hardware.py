@@ -384,5 +384,5 @@ def _others_note(errors: pl.DataFrame, rank: int) -> str:
     o = errors.filter(pl.col(_R) != rank)
     if o.height == 0:
         return "none"
-    return (f"{o.get_column(_R).n_unique()} with new errors, at most {int(o.group_by(_R).agg(pl.col('new_sbe').sum())['new_sbe'].max())} "  # type: ignore[arg-type]
-            "corrected ECC errors each")
+    most = int(o.group_by(_R).agg(pl.col("new_sbe").sum()).get_column("new_sbe").max())  # type: ignore[arg-type]
+    return f"{o.get_column(_R).n_unique()} with new errors, at most {most} corrected ECC errors each"

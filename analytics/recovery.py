@@ -23,7 +23,8 @@ Branches, in the order `decide` takes them:
   incident is a device fault (`Incident.device_fault`: direct hardware evidence from this run — throttling with
   clock loss, new uncorrectable ECC errors, hardware XIDs, corrected ECC errors rising on that device only — named
   the device). Recurrence that follows the rank number points at its data shard or code path, and hardware
-  quarantine would not help; a throttle cause without that evidence is observed.
+  quarantine would not help — it overrides a single run's device evidence (the evidence moved with the rank to other
+  devices) in every class; a throttle cause without that evidence is observed.
 - imbalance: OBSERVE; a job-design issue (stage split, data skew), not a fault to recover from.
 - unclassified: OBSERVE; reported, not guessed.
 - a transient stall (hang, TRANSIENT_STALL): OBSERVE; the rank came back by itself. QUARANTINE of the device when
@@ -349,6 +350,8 @@ def _quarantine(recurrence: RecurrenceView | None, incident: Incident, *, corrob
         target = Target(kind=kinds[recurrence.follows], id=recurrence.id)
         why = f"recurrence follows {recurrence.follows} {recurrence.id} ({recurrence.occurrences} occurrences)"
         label = f"recurrence={recurrence.follows}"
+    elif recurrence is not None and recurrence.follows is FollowsKind.RANK:
+        return None  # the fault moved with the rank number across devices: quarantining this one would not help
     elif incident.device_fault:
         target = Target(kind=TargetKind.DEVICE, id=incident.subject.id)
         signals = ",".join(str(h) for h in incident.hardware)
@@ -371,11 +374,13 @@ def _quarantine(recurrence: RecurrenceView | None, incident: Incident, *, corrob
     )
 
 
-def _no_quarantine_reason(recurrence: RecurrenceView | None) -> str:
+def _no_quarantine_reason(recurrence: RecurrenceView | None, incident: Incident) -> str:
     if recurrence is None:
         return "no recurrence evidence across runs and no direct hardware evidence from this run"
     if recurrence.follows is FollowsKind.RANK:
-        return f"recurrence follows rank {recurrence.id}: its data shard or code path, not hardware"
+        moved = (f" (device {incident.subject.id}'s hardware evidence moved with the rank to other devices)"
+                 if incident.device_fault else "")
+        return f"recurrence follows rank {recurrence.id}: its data shard or code path, not hardware{moved}"
     return "recurrence inconclusive: nothing to quarantine"
 
 
@@ -390,7 +395,7 @@ def _observe_or_quarantine(incident: Incident, recurrence: RecurrenceView | None
     q = _quarantine(recurrence, incident, corroborate=False)
     if q is None:
         label = "recurrence=none" if recurrence is None else f"recurrence={recurrence.follows}"
-        return _observe([*path, label], why, _no_quarantine_reason(recurrence))
+        return _observe([*path, label], why, _no_quarantine_reason(recurrence, incident))
     return Decision(action=q.action, target=q.target, scope=q.scope, ranks=q.ranks, path=(*path, *q.path),
                     reasons=(f"{why}: no restart or rollback", *q.reasons), lineage=q.lineage)
 
@@ -461,7 +466,7 @@ def _state_fault(incident: Incident, gate: GateResult | None, catalog: Checkpoin
     q = _quarantine(recurrence, incident, corroborate=incident.klass is IncidentClass.CORRUPTION)
     also = () if q is None else (q,)
     if q is None:
-        reasons.append(_no_quarantine_reason(recurrence))
+        reasons.append(_no_quarantine_reason(recurrence, incident))
     bound = incident.onset_step if incident.onset_step is not None else incident.detection_step
     if bound is None:
         reasons.append("onset unknown: the newest checkpoint may already hold the fault; verify after rollback")
@@ -766,8 +771,9 @@ def _cases() -> tuple[DecisionCase, ...]:
     add("straggler-rank-recurs", straggler, None, rec=_rec(S, FollowsKind.RANK, "5"))
     add("straggler-device-recurs", straggler, None, rec=_rec(S, FollowsKind.DEVICE, "GPU-aa"))
     add("straggler-link-recurs", _inc(S, (4, 5), Cause.SLOW_LINK), None, rec=_rec(S, FollowsKind.LINK, "h0<->h1"))
-    add("straggler-device-fault", _inc(S, (5,), Cause.THERMAL_THROTTLE, subject=dev_subject,
-                                       hardware=(HW.CLOCK_LOSS, HW.THROTTLE)), None)
+    dev_straggler = _inc(S, (5,), Cause.THERMAL_THROTTLE, subject=dev_subject, hardware=(HW.CLOCK_LOSS, HW.THROTTLE))
+    add("straggler-device-fault", dev_straggler, None)
+    add("straggler-device-fault-rank-recurs", dev_straggler, None, rec=_rec(S, FollowsKind.RANK, "5"))
     add("imbalance", _inc(IncidentClass.IMBALANCE, (6, 7), Cause.STAGE_IMBALANCE), _gate(_A, _JOB))
     add("unclassified", _inc(IncidentClass.UNCLASSIFIED, (2,), Cause.UNKNOWN), None)
     add("hang-transient", _inc(H, (3,), Cause.TRANSIENT_STALL), None)

@@ -22,10 +22,15 @@ does (clock auto), and matches the incidents against the scenario's ground-truth
 - detection latency = detection_step - labeled onset step, for matched stragglers;
 - false incidents on clean controls = every incident raised in a scenario that expects none;
 - cause accuracy = matched stragglers whose incident names the labeled cause / matched stragglers with a known
-  cause; in gpu mode its host_stall / device_slow part says whether a host-thread stall and a slow GPU are told apart.
+  cause; in gpu mode its host_stall / device_slow part says whether a host-thread stall and a slow GPU are told apart;
+- quarantines: the devices the recovery policy takes out of placement from each run's incidents alone
+  (`recovery.single_run_quarantines`: no gate, no recurrence, so only device faults with direct hardware evidence).
+  A *wrongful* quarantine is a quarantined device no label of its run marks `device_fault`; a *missed* one is a
+  `device_fault` label whose device is not quarantined. Labels without the key are not device faults.
 
 Targets (issue 3), in each timing: F1 >= 0.95 per class, localization >= 0.95, no incident on any clean control,
 stragglers detected within 10 steps of onset; in gpu mode also host_stall vs device_slow cause accuracy >= 0.95.
+Issue 14 adds: no wrongful quarantine, and >= 90 % of the device-fault labels quarantined.
 """
 
 from __future__ import annotations
@@ -38,12 +43,14 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from rankwatch.analytics.analyze import analyze
 from rankwatch.analytics.frames import Clock
+from rankwatch.analytics.incidents import Incident
+from rankwatch.analytics.recovery import TargetKind, single_run_quarantines
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from independent import generate as generate_independent, scenarios as independent_scenarios  # noqa: E402
@@ -54,6 +61,7 @@ TARGET_F1 = 0.95
 TARGET_LOCALIZATION = 0.95
 TARGET_LATENCY_STEPS = 10
 TARGET_DEVICE_CAUSE = 0.95
+TARGET_QUARANTINED = 0.90
 _DEVICE_CAUSES = frozenset({"host_stall", "device_slow"})
 
 
@@ -137,6 +145,12 @@ class Score:
     device_causes: tuple[int, int]
     """The same over host_stall / device_slow labels only (gpu mode)."""
     misses: list[str]
+    device_faults: int = 0
+    """Labels marked `device_fault`."""
+    wrongful: list[str] = field(default_factory=list)
+    """'scenario: device' per quarantined device no label of its run marks device_fault."""
+    missed_quarantines: list[str] = field(default_factory=list)
+    """'scenario: device' per device_fault label whose device the policy did not quarantine."""
 
     def failures(self) -> list[str]:
         out = [f"{k}: F1 {t.f1()[2]:.3f} < {TARGET_F1}" for k, t in sorted(self.tallies.items())
@@ -150,7 +164,30 @@ class Score:
         right, total = self.device_causes
         if total and right / total < TARGET_DEVICE_CAUSE:
             out.append(f"host_stall/device_slow cause accuracy {right}/{total} < {TARGET_DEVICE_CAUSE}")
+        if self.wrongful:
+            out.append(f"{len(self.wrongful)} wrongful quarantines")
+        quarantined = self.device_faults - len(self.missed_quarantines)
+        if self.device_faults and quarantined / self.device_faults < TARGET_QUARANTINED:
+            out.append(f"device faults quarantined {quarantined}/{self.device_faults} < {TARGET_QUARANTINED}")
         return out
+
+
+def quarantine_outcome(expected: tuple[dict[str, Any], ...],
+                       incidents: tuple[dict[str, Any], ...]) -> tuple[list[str], list[str], int]:
+    """(wrongly quarantined devices, device-fault devices not quarantined, device-fault labels) of one run: the
+    quarantines are the policy's own, from the run's incidents alone."""
+    parsed = []
+    for i in incidents:
+        try:
+            parsed.append(Incident.from_dict(i))
+        except ValueError:  # a harness's placeholder for an analysis that raised: it quarantines nothing
+            continue
+    targets = single_run_quarantines(parsed)
+    quarantined = {t.id for t in targets if t.kind is TargetKind.DEVICE}
+    faulty = [str(lab.get("device") or lab["subject"]) for lab in expected if lab.get("device_fault")]
+    wrongful = sorted(quarantined - set(faulty))
+    missed = [d for d in faulty if d not in quarantined]
+    return wrongful, missed, len(faulty)
 
 
 def score(outcomes: list[Outcome]) -> Score:
@@ -160,7 +197,14 @@ def score(outcomes: list[Outcome]) -> Score:
     misses: list[str] = []
     causes = [0, 0]
     device_causes = [0, 0]
+    wrongful: list[str] = []
+    missed_q: list[str] = []
+    device_faults = 0
     for o in outcomes:
+        bad_q, miss_q, n_faults = quarantine_outcome(o.expected, o.incidents)
+        wrongful += [f"{o.scenario}: {d}" for d in bad_q]
+        missed_q += [f"{o.scenario}: {d}" for d in miss_q]
+        device_faults += n_faults
         if not o.expected:
             clean_false += [f"{o.scenario}: {i['class']} {i['subject_kind']}:{i['subject']} — {i['summary']}" for i in o.incidents]
         used: set[int] = set()
@@ -201,7 +245,8 @@ def score(outcomes: list[Outcome]) -> Score:
     localization = sum(t.localized for t in tallies.values()) / found if found else 1.0
     return Score(tallies=tallies, localization=localization, controls=sum(1 for o in outcomes if not o.expected),
                  clean_false=clean_false, latencies=latencies, causes=(causes[0], causes[1]),
-                 device_causes=(device_causes[0], device_causes[1]), misses=misses)
+                 device_causes=(device_causes[0], device_causes[1]), misses=misses, device_faults=device_faults,
+                 wrongful=wrongful, missed_quarantines=missed_q)
 
 
 def _ratio(pair: tuple[int, int]) -> str:
@@ -234,6 +279,9 @@ def report(scores: dict[Any, Score]) -> int:
          if s.latencies else "-"),
         ("straggler cause accuracy (known causes)", lambda s: _ratio(s.causes)),
         (f"host_stall vs device_slow (target >= {TARGET_DEVICE_CAUSE})", lambda s: _ratio(s.device_causes)),
+        ("wrongful quarantines (target 0)", lambda s: str(len(s.wrongful))),
+        (f"device faults quarantined (target >= {TARGET_QUARANTINED})",
+         lambda s: _ratio((s.device_faults - len(s.missed_quarantines), s.device_faults))),
     ]
     for name, fmt in rows:
         print(f"{name:<58} " + " | ".join(f"{fmt(scores[m]):<24}" for m in modes))
@@ -245,6 +293,10 @@ def report(scores: dict[Any, Score]) -> int:
         print(f"\ntiming {m}: {'FAIL: ' + '; '.join(fails) if fails else 'PASS'}")
         for line in s.clean_false + s.misses:
             print(f"  {line}")
+        for line in s.wrongful:
+            print(f"  wrongful quarantine {line}")
+        for line in s.missed_quarantines:
+            print(f"  missed quarantine {line}")
     print("\nverdict:", "FAIL" if failed else "PASS")
     return 1 if failed else 0
 

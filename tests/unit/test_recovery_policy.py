@@ -81,6 +81,8 @@ EXPECTED: dict[str, X] = {
     "straggler-device-fault": _x(A.QUARANTINE, "device:GPU-aa",
                                  ("hardware=clock_loss,throttle", "-> quarantine device:GPU-aa"),
                                  "direct hardware evidence in this run (clock_loss,throttle)"),
+    "straggler-device-fault-rank-recurs": _x(A.OBSERVE, None, ("recurrence=rank", "-> observe"),
+                                             "hardware evidence moved with the rank to other devices"),
     "hang-transient-device-fault": _x(A.QUARANTINE, "device:GPU-aa", ("hardware=xid", "-> quarantine device:GPU-aa"),
                                       "came back by itself"),
     "failstop-device-fault-agree-idem-dp": _x(
@@ -438,7 +440,8 @@ def _check(key: str, inc: Incident, gate: GateResult | None, idem: Idempotency, 
     corroborated = (inc.klass is IncidentClass.CORRUPTION and inc.cause is Cause.HARDWARE_ERROR
                     and inc.subject.kind is SubjectKind.DEVICE)
     allowed = inc.klass not in (IncidentClass.IMBALANCE, IncidentClass.UNCLASSIFIED)
-    assert bool(quarantined) == (allowed and (hw_follow or corroborated or inc.device_fault)), key
+    rank_follow = rec is not None and rec.follows is FollowsKind.RANK
+    assert bool(quarantined) == (allowed and (hw_follow or (not rank_follow and (corroborated or inc.device_fault)))), key
     assert len(quarantined) <= 1, key
     if quarantined and not hw_follow and inc.device_fault:
         assert str(quarantined[0].target) == f"device:{inc.subject.id}", key
