@@ -376,7 +376,7 @@ def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnor
               config: FailStopConfig) -> tuple[Cause, str] | None:
     """How the job itself stopped, when it stopped abnormally at once: a signal or abnormal exit on more than half
     the ranks within `job_window_heartbeats`; or (`run_over`) no terminal event anywhere and telemetry that ends
-    mid-step (an operation open, or ranks at different last steps) on every rank."""
+    mid-step (an operation open, a heartbeat in a step never completed, or ranks at different last steps)."""
     live = frames.liveness
     if abnormal.height:
         firsts = abnormal.group_by("rank").agg(pl.col("wall_ns").min().alias("t"), pl.col("kind"))
@@ -396,13 +396,14 @@ def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnor
     if terminal.height or not config.run_over:
         return None
     open_now = _since_attempt(frames.open_collectives, start, "enter_wall_ns")
-    if open_now.height == 0 and live["last_step"].n_unique() <= 1:
+    in_step = live.filter(pl.col("heartbeat_step").fill_null(-1) > pl.col("last_step"))
+    if open_now.height == 0 and in_step.height == 0 and live["last_step"].n_unique() <= 1:
         return None  # every rank at one step boundary with nothing open: a run cut at a step, not a kill
     lo, hi = int(live["last_step"].min()), int(live["last_step"].max())  # type: ignore[arg-type]
-    return Cause.VANISHED, (f"no rank wrote an exit, signal or exception event, yet {open_now['rank'].n_unique()} "
-                            f"rank(s) were inside a collective and the ranks' last steps range over "
-                            f"{lo}..{hi} when every rank's telemetry "
-                            f"ended together: the job was killed from outside (SIGKILL, a lost node or power)")
+    return Cause.VANISHED, (f"no rank wrote an exit, signal or exception event, and every rank's telemetry ends "
+                            f"mid-step ({open_now['rank'].n_unique()} inside a collective, {in_step.height} beating "
+                            f"in a step they never completed, last steps {lo}..{hi}): the job was killed from outside "
+                            f"(SIGKILL, a lost node or power)")
 
 
 # -- incidents ---------------------------------------------------------------------------------------------------------
