@@ -25,7 +25,8 @@ Then the episode runs until `episode_gap` steps in a row are back to normal; epi
 `merge_gap` steps apart (intermittent bursts) merge into one incident. Subjects above the rank: a host whose
 ranks are slow through dataloader wait (one HOST incident), an inter-host link whose crossing groups transfer
 slower than the other groups of their kind (one LINK incident), a pipeline stage whose median compute exceeds the
-other stages' (IMBALANCE, STAGE), and random per-step skew with nobody persistently late (IMBALANCE, JOB).
+other stages' (IMBALANCE, STAGE), and random per-step data skew between replicas, a different one late each step
+(IMBALANCE, JOB).
 """
 
 from __future__ import annotations
@@ -109,18 +110,13 @@ class StragglerConfig:
     """A stage is imbalanced when its rolling median compute exceeds the other stages' by this share ..."""
     stage_rank_share: float = 0.8
     """... and at least this share of its ranks are above the other stages' median by half that amount."""
-    skew_excess: float = 0.15
-    """A step is skewed when its slowest rank's excess over its peers is above this (noise max at 2048 ranks ~3 %)."""
     replica_skew: float = 0.04
-    """Replica-level data skew: the median over steps of the spread (1.4826 x MAD) of the replicas' compute factors
-    at a step must be at least this (4 %: a healthy job's replicas agree within ~1 %) ..."""
+    """Data skew: at a median step the replicas' compute factors must lie at least this far from the median
+    replica's on average (mean absolute deviation: 4 %; a healthy job's replicas agree within ~1 %, and unlike the
+    late replica's lead it does not grow with the number of replicas) ..."""
     replica_skew_ratio: float = 3.0
-    """... and at least this many times the per-step noise left once the replica factor is out, so a noisy job
-    whose ranks jitter independently (a replica's median of them jitters less than each) never reads as skew."""
-    skew_step_share: float = 0.5
-    """Data skew needs more than this share of steps skewed ..."""
-    skew_rank_share: float = 0.1
-    """... while no rank is the slowest in more than this share of them."""
+    """... and by at least this many times the per-step noise of ranks within one replica, so a noisy job whose
+    ranks jitter independently (a replica's median of them jitters less than each) never reads as skew."""
     min_steps: int = 10
     """Runs with fewer steps than this are not analyzed (too short to tell persistence from noise)."""
     chance_alpha: float = 1e-3
@@ -152,12 +148,11 @@ class StragglerConfig:
             raise ValueError("StragglerConfig: merge_gap must be >= 0, min_peers >= 2, checkpoint_count >= 1")
         for name in ("cusum_reference", "cusum_threshold", "cusum_clip", "sustain_excess", "burst_excess",
                      "clock_drop", "checkpoint_excess", "checkpoint_min_share", "link_excess", "stage_excess",
-                     "skew_excess", "nominal_noise", "nominal_transfer_noise", "baseline_cap", "replica_skew",
+                     "nominal_noise", "nominal_transfer_noise", "baseline_cap", "replica_skew",
                      "replica_skew_ratio"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"StragglerConfig.{name}={getattr(self, name)}: must be > 0")
-        for name in ("cause_share", "throttle_share", "host_share", "stage_rank_share", "skew_step_share",
-                     "skew_rank_share", "chance_alpha"):
+        for name in ("cause_share", "throttle_share", "host_share", "stage_rank_share", "chance_alpha"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"StragglerConfig.{name}={getattr(self, name)}: must be in (0, 1]")
 
@@ -172,7 +167,7 @@ def detect_stragglers(frames: Frames, config: StragglerConfig = StragglerConfig(
     incidents: list[Incident] = []
     stage = _stage_imbalance(table, config)
     incidents.extend(stage)
-    skew = _replica_skew(table, config, noise=_noise(table)) or _data_skew(table, config)
+    skew = _data_skew(table, config)
     ranks = _rank_incidents(frames, table, config, skew_found=bool(skew))
     incidents.extend(_group_hosts(frames, ranks, config))
     incidents.extend(_checkpoint_stragglers(frames, table, config, already={i.ranks[0] for i in ranks}))
@@ -190,7 +185,7 @@ def _scaled(config: StragglerConfig, factor: float) -> StragglerConfig:
         return config
     return replace(config, **{name: getattr(config, name) * factor for name in (
         "cusum_reference", "cusum_threshold", "cusum_clip", "sustain_excess", "burst_excess", "stage_excess",
-        "skew_excess", "baseline_cap")})
+        "baseline_cap")})
 
 
 def _excess_table(frames: Frames, config: StragglerConfig) -> pl.DataFrame:
@@ -263,18 +258,20 @@ def _replica_adjusted(steps: pl.DataFrame, config: StragglerConfig) -> pl.DataFr
     as if every replica had drawn the same batch. The price: a slowdown of a whole replica at once (every rank of
     it) is taken for its batches and not seen by the rank rules. Replicas of fewer ranks are left as they are (a
     rank would be its own replica's median; there per-step skew stays in the noise).
-    Adds `comp_raw` (as measured) and `rep_f` / `rep_n` (the replica's factor and ranks at the step)."""
+    Adds `comp_raw` (as measured), `rep_f` / `rep_m` / `rep_n` (the replica's lower-median and median factor and its
+    ranks at the step) and `rep_res` (the rank's factor minus its replica's median: the noise within a replica)."""
     dp = steps.get_column(_DP) if _DP in steps.columns else None
     if dp is None or dp.null_count() == dp.len():
         return steps.with_columns(pl.col("comp").alias("comp_raw"), pl.lit(None, pl.Float64).alias("rep_f"),
+                                  pl.lit(None, pl.Float64).alias("rep_m"), pl.lit(None, pl.Float64).alias("rep_res"),
                                   pl.lit(0, pl.UInt32).alias("rep_n"))
     med = pl.col("comp").median().over("peer", _S)
     t = steps.with_columns(pl.when(med > 0).then(pl.col("comp") / med - 1.0).otherwise(None).alias("_rc"))
     rep = t.group_by(_DP, _S).agg(pl.col("_rc").quantile(0.5, interpolation="lower").alias("rep_f"),
-                                  pl.col("_rc").count().alias("rep_n"))
+                                  pl.col("_rc").median().alias("rep_m"), pl.col("_rc").count().alias("rep_n"))
     t = t.join(rep, on=[_DP, _S], how="left")
     shared = pl.when(pl.col("rep_n") >= _REPLICA_MIN).then(pl.col("rep_f")).otherwise(0.0).fill_null(0.0)
-    return t.with_columns(pl.col("comp").alias("comp_raw"),
+    return t.with_columns(pl.col("comp").alias("comp_raw"), (pl.col("_rc") - pl.col("rep_m")).alias("rep_res"),
                           (pl.col("comp") / (1.0 + shared).clip(0.2, None)).alias("comp")).drop("_rc")
 
 
@@ -715,9 +712,10 @@ def _slow_ring_links(frames: Frames, config: StragglerConfig, *, known: set[str]
         .with_columns((pl.col(_TRANSFER_NS).cast(pl.Float64) * pl.col("ops") / pl.col("bytes")).alias("_nspb"))
         .with_columns((pl.col("_nspb") / pl.col("_nspb").quantile(0.25, "nearest").over(_KIND, "_x", _S)).alias("q"))
         .sort(_GROUP, _S)
-        .with_columns(pl.col("q").rolling_median(config.link_window, min_samples=config.link_window)
-                      .over(_GROUP).alias("qs"))
     )
+    g = _own_history(g, config.baseline_steps).with_columns(
+        pl.max_horizontal("q", "q_own").alias("q")).with_columns(
+        pl.col("q").rolling_median(config.link_window, min_samples=config.link_window).over(_GROUP).alias("qs"))
     # Step-to-step spread of each group's own log transfer time: how noisy transfers are on this job.
     excess = config.link_excess * max(1.0, _transfer_jitter(g, _GROUP) / config.nominal_transfer_noise)
     config = replace(config, link_excess=excess)
@@ -726,10 +724,11 @@ def _slow_ring_links(frames: Frames, config: StragglerConfig, *, known: set[str]
         return []
     slow_groups = slow_steps.group_by(_GROUP).agg(pl.col(_S).min().alias("first"), pl.col("qs").median().alias("q"),
                                                   pl.len().alias("n"))
-    # A group is slow when it is slow for a sizeable part of the steps it reports, not once.
+    # A group is slow when it is slow for a sizeable part of the steps it reports (an on-off link: in episodes
+    # adding up to a tenth of the run), not once.
     reports = g.group_by(_GROUP).agg(pl.len().alias("total"))
     slow_groups = slow_groups.join(reports, on=_GROUP).filter(pl.col("n") >= pl.max_horizontal(
-        pl.lit(config.link_window), 0.2 * pl.col("total")))
+        pl.lit(config.link_window), 0.1 * pl.col("total")))
     if slow_groups.height == 0:
         return []
     present = groups.filter(pl.col(_GROUP).is_in(g.get_column(_GROUP).unique().implode()))
@@ -798,6 +797,21 @@ def _slow_ring_links(frames: Frames, config: StragglerConfig, *, known: set[str]
     return out
 
 
+def _own_history(g: pl.DataFrame, baseline_steps: int) -> pl.DataFrame:
+    """`g` with `q_own`: each group's transfer time per byte against its own baseline (the lower of the median of
+    its first `baseline_steps` steps and its lower quartile over the run), divided by the job-wide factor of the
+    step (the median of that ratio over every group: a network hiccup slows every group at once, a slow link only
+    those crossing it). It finds a slow link that every group of a kind crosses (a ring spanning all hosts), where
+    comparing the kind's groups with each other cannot."""
+    base = g.group_by(_GROUP).agg(pl.min_horizontal(pl.col("_nspb").head(baseline_steps).median(),
+                                                    pl.col("_nspb").quantile(0.25, "nearest")).alias("_base"))
+    g = g.join(base, on=_GROUP, how="left").with_columns((pl.col("_nspb") / pl.col("_base")).alias("_qh"))
+    job = g.group_by(_S).agg(pl.col("_qh").median().alias("_h"), pl.len().alias("_hn"))
+    return (g.join(job, on=_S, how="left")
+            .with_columns((pl.col("_qh") / pl.when(pl.col("_hn") >= 3).then(pl.col("_h")).otherwise(1.0)).alias("q_own"))
+            .drop("_base", "_qh", "_h", "_hn").sort(_GROUP, _S))
+
+
 def _first_slow(g: pl.DataFrame, groups: list[str], lo: int, config: StragglerConfig) -> int:
     """First step at or after `lo` where the crossing groups' median transfer ratio is above the threshold."""
     per = (g.filter(pl.col(_GROUP).is_in(groups) & (pl.col(_S) >= lo)).group_by(_S).agg(pl.col("q").median())
@@ -856,83 +870,57 @@ def _stage_imbalance(table: pl.DataFrame, config: StragglerConfig) -> list[Incid
 
 
 def _data_skew(table: pl.DataFrame, config: StragglerConfig) -> list[Incident]:
-    """Many steps where some rank is far above its peers, but a different one each time."""
-    per_step = (table.sort("x", descending=True).group_by(_S)
-                .agg(pl.col("x").first().alias("xmax"), pl.col(_R).first().alias("late_rank"),
-                     pl.col(Steps.END_WALL_NS.value).max().alias("wall")).sort(_S))
-    n = per_step.height
-    skewed = per_step.filter(pl.col("xmax") > config.skew_excess)
-    if n < config.min_steps or skewed.height <= config.skew_step_share * n:
+    """Random per-step data skew between data-parallel replicas (sequence-length imbalance: a replica's batch is
+    long or short for all its ranks together), read step by step: at most steps the replicas' compute factors (the
+    median over a replica's ranks of compute / stage-median compute) lie far apart — their mean absolute deviation
+    from the median replica's is well above the noise of ranks within one replica — and the late replica is a
+    different one from step to step — none is late
+    more often than chance among them would make it (binomial, Bonferroni over replicas). One replica late at
+    every step is a slow replica, not skew. A replica needs two ranks for its noise to be told from its batch's:
+    where every replica is one rank (pure data parallelism), skew and per-rank noise look alike from step times
+    and no skew is reported."""
+    if "rep_m" not in table.columns:
         return []
-    counts = skewed.group_by("late_rank").len()
-    top = int(counts.get_column("len").max())  # type: ignore[arg-type]
-    if top > config.skew_rank_share * skewed.height:
+    inside = table.filter((pl.col("rep_n") >= 2) & pl.col("rep_m").is_not_null())
+    if inside.height == 0:
         return []
-    need = max(config.min_steps, math.ceil(config.skew_step_share * config.min_steps))
-    det_row = skewed.row(min(need, skewed.height) - 1, named=True)
-    ranks = sorted(int(r) for r in counts.get_column("late_rank").to_list())
-    return [Incident(
-        klass=IncidentClass.IMBALANCE, subject=Subject(kind=SubjectKind.JOB, id="job"), ranks=tuple(ranks),
-        onset_step=int(skewed.get_column(_S)[0]), detection_step=int(det_row[_S]),
-        detection_wall_ns=det_row["wall"],
-        confidence=min(0.99, 0.5 + 0.49 * (skewed.height / n - config.skew_step_share) / (1 - config.skew_step_share)
-                       + 0.0),
-        cause=Cause.DATA_SKEW,
-        summary=f"data skew: in {skewed.height} of {n} steps some rank computed more than "
-                f"{config.skew_excess:.0%} longer than its peers, {len(ranks)} different ranks, none in more than "
-                f"{top} steps",
-        fields=("compute_ns",),
-        evidence=(Evidence(
-            source="steps", summary="the slowest rank of each skewed step and its excess over its peers",
-            columns=("step", "rank", "ratio"),
-            rows=tuple((int(s), int(r), round(1 + float(x), 4)) for s, r, x in
-                       skewed.select(_S, "late_rank", "xmax").head(20).iter_rows()),
-        ),),
-    )]
-
-
-def _replica_skew(table: pl.DataFrame, config: StragglerConfig, *, noise: float) -> list[Incident]:
-    """Random per-step data skew between data-parallel replicas (sequence-length imbalance: each replica's batch
-    is long or short together), read step by step: the replicas' compute factors (`_replica_adjusted`) spread
-    widely at most steps, and the late replica is a different one from step to step — no replica is late more
-    often than chance among them would make it (binomial, Bonferroni over replicas). One replica late at every
-    step is a slow replica, not skew."""
-    if "rep_f" not in table.columns:
-        return []
-    rep = (table.filter((pl.col("rep_n") >= _REPLICA_MIN) & pl.col("rep_f").is_not_null())
-           .unique([_DP, _S]).select(_DP, _S, "rep_f", Steps.END_WALL_NS.value))
-    per = (rep.group_by(_S).agg(
-        pl.len().alias("n"), (1.4826 * (pl.col("rep_f") - pl.col("rep_f").median()).abs().median()).alias("spread"),
-        pl.col(_DP).sort_by("rep_f").last().alias("late"), pl.col(Steps.END_WALL_NS.value).max().alias("wall"))
+    res = inside.get_column("rep_res").drop_nulls()
+    arr = res.to_numpy()
+    noise = 1.4826 * float(np.median(np.abs(arr - np.median(arr)))) if len(arr) else 0.0
+    per = (inside.unique([_DP, _S]).group_by(_S).agg(
+        pl.len().alias("n"), (pl.col("rep_m") - pl.col("rep_m").median()).abs().mean().alias("lead"),
+        pl.col(_DP).sort_by("rep_m").last().alias("late"), pl.col(Steps.END_WALL_NS.value).max().alias("wall"))
         .filter(pl.col("n") >= 4).sort(_S))
     if per.height < config.min_steps:
         return []
-    spread = float(per.get_column("spread").median())  # type: ignore[arg-type]
-    if spread < max(config.replica_skew, config.replica_skew_ratio * noise):
+    need = max(config.replica_skew, config.replica_skew_ratio * noise)
+    lead = float(per.get_column("lead").median())  # type: ignore[arg-type]
+    if lead < need:
         return []
     replicas = int(per.get_column("n").median())  # type: ignore[arg-type]
     counts = per.group_by("late").len()
     top = int(counts.get_column("len").max())  # type: ignore[arg-type]
     if _binom_tail(top, per.height, 1.0 / replicas) * replicas < config.chance_alpha:
         return []
-    wide = per.filter(pl.col("spread") >= config.replica_skew)
-    det_row = wide.row(min(config.min_steps, wide.height) - 1, named=True) if wide.height else per.row(-1, named=True)
-    ranks = sorted(int(r) for r in table.filter(pl.col("rep_n") >= _REPLICA_MIN).get_column(_R).unique())
+    wide = per.filter(pl.col("lead") >= need)
+    det_row = wide.row(min(config.min_steps, wide.height) - 1, named=True)
+    late = set(counts.get_column("late").to_list())
+    ranks = sorted(int(r) for r in inside.filter(pl.col(_DP).is_in(sorted(late))).get_column(_R).unique())
     return [Incident(
         klass=IncidentClass.IMBALANCE, subject=Subject(kind=SubjectKind.JOB, id="job"), ranks=tuple(ranks),
         onset_step=int(per.get_column(_S)[0]), detection_step=int(det_row[_S]), detection_wall_ns=det_row["wall"],
-        confidence=min(0.99, 0.5 + 0.49 * math.tanh(spread / (2 * max(config.replica_skew, config.replica_skew_ratio
-                                                                          * noise)) - 0.5)),
+        confidence=min(0.99, 0.5 + 0.49 * math.tanh(lead / need - 0.5)),
         cause=Cause.DATA_SKEW,
-        summary=f"data skew between replicas: at a median step the {replicas} data-parallel replicas' compute "
-                f"spreads {spread:.1%} (every rank of a replica slow or fast together, per-step noise within "
-                f"replicas {noise:.1%}); the late replica changes from step to step ({counts.height} different, "
+        summary=f"data skew between replicas: at a median step the {replicas} data-parallel replicas' compute lies "
+                f"{lead:.1%} from the median replica's on average (all ranks of a replica together; noise within a "
+                f"replica {noise:.1%} per step), and the late replica changes from step to step ({counts.height} different, "
                 f"none late in more than {top} of {per.height} steps): batch content, not a device",
         fields=("compute_ns",),
         evidence=(Evidence(
-            source="steps", summary="per step: spread of the replicas' compute factors and the late replica",
-            columns=("step", "replicas", "spread", "late_replica"),
-            rows=tuple((int(st), int(n), round(float(sp), 4), int(lt)) for st, n, sp, lt in
-                       per.select(_S, "n", "spread", "late").head(20).iter_rows()),
+            source="steps", summary="per step: the replicas' mean absolute deviation from the median replica, and the "
+                                    "late replica",
+            columns=("step", "replicas", "deviation", "late_replica"),
+            rows=tuple((int(st), int(n), round(float(ld), 4), int(lt)) for st, n, ld, lt in
+                       per.select(_S, "n", "lead", "late").head(20).iter_rows()),
         ),),
     )]

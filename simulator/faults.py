@@ -107,7 +107,9 @@ class StageImbalance:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataSkew:
-    """Each step `count` random ranks compute `extra` (a fraction) longer: a different rank is late each step."""
+    """Each step the batches of `count` random data-parallel replicas are `extra` (a fraction) longer: every rank of
+    those replicas (all stages and tensor shards, which work on the same batch) computes that much longer, and a
+    different replica is late each step."""
 
     extra: float = 0.3
     count: int = 1

@@ -305,11 +305,13 @@ def _inputs(cfg: SimConfig, topo: _Topo, rng: np.random.Generator) -> _Inputs:
             dl[f.from_step:, ranks] += f.slow * stage_base[ranks] * rng.lognormal(0.0, 0.1, (k, len(ranks)))
         elif isinstance(f, StageImbalance):
             comp[f.from_step:, topo.pp == f.stage] *= f.factor
-        elif isinstance(f, DataSkew):
+        elif isinstance(f, DataSkew):  # a replica's batch is long for every rank of it (all stages and shards)
+            replicas = topo.layout.dp
             for s in range(f.from_step, S):
-                chosen = rng.choice(n, size=f.count, replace=False)
-                comp[s, chosen] *= 1.0 + f.extra
-                skewed.update(int(c) for c in chosen)
+                chosen = rng.choice(replicas, size=min(f.count, replicas), replace=False)
+                members = np.flatnonzero(np.isin(topo.dp, chosen))
+                comp[s, members] *= 1.0 + f.extra
+                skewed.update(int(c) for c in members)
         elif isinstance(f, SlowLink):
             link = link_name(f"host{f.host_a}", f"host{f.host_b}")
             mult = np.ones((7, n))

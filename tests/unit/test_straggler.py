@@ -234,13 +234,26 @@ def test_stage_imbalance_is_a_stage_incident_and_no_rank_incident() -> None:
 
 
 def test_random_data_skew_is_one_job_imbalance() -> None:
-    job = Job(seed=13, ranks=256, hosts=32)
+    """Each step the batches of two random replicas (of 8, each 8 shards x 4 stages) are 30 % longer: one
+    IMBALANCE."""
+    job = Job(seed=13, ranks=256, hosts=32, pp=4, tp=8)
     for s in range(job.steps):
-        for r in job.rng.choice(job.ranks, size=2, replace=False):
-            job.compute[r, s] *= job.rng.uniform(1.2, 1.6)
+        late = set(job.rng.choice(8, size=2, replace=False).tolist())
+        for r in range(job.ranks):
+            if job.replica_of(r) in late:
+                job.compute[r, s] *= 1.3
     incs = detect_stragglers(job.frames())
     assert [(i.klass, i.subject.kind, i.cause) for i in incs] == [(IncidentClass.IMBALANCE, SubjectKind.JOB, Cause.DATA_SKEW)]
     assert len(incs[0].ranks) > 100
+
+
+def test_one_rank_at_a_time_much_slower_is_jitter_not_data_skew() -> None:
+    """A random rank 15-50 % slow at each step (a pause, a page fault) is no batch effect: the ranks of its replica
+    work on the same batch and were not slower. Neither skew nor a straggler."""
+    job = Job(seed=14, ranks=256, hosts=32, pp=4, tp=4)
+    for s in range(job.steps):
+        job.compute[job.rng.integers(job.ranks), s] *= job.rng.uniform(1.15, 1.5)
+    assert detect_stragglers(job.frames()) == ()
 
 
 def test_checkpoint_stall_on_every_rank_is_benign() -> None:
@@ -346,3 +359,50 @@ def test_a_rank_much_slower_from_its_first_step_is_still_a_straggler() -> None:
     job.slow(20, 1.25)
     (inc,) = detect_stragglers(job.frames())
     assert inc.subject.id == "20" and inc.onset_step is not None and inc.onset_step <= 3
+
+
+def _ring_groups(job: Job, slow: tuple[str, str] | None, on: list[tuple[int, int]],
+                 hiccups: tuple[int, ...] = ()) -> dict[str, pl.DataFrame]:
+    """Two data-parallel rings over every host (both crossing every ring-neighbour link) and one intra-host tp group
+    per host; transfers 3x slower while `slow` is on (`on`: [start, end) episodes), and every group 2.5x slower on
+    the `hiccups` steps (a network-wide stall)."""
+    rng = np.random.default_rng(12)
+    hosts = [f"host{h}" for h in range(job.hosts)]
+    ring = sorted({link_name(hosts[h], hosts[(h + 1) % job.hosts]) for h in range(job.hosts)})
+    per = job.ranks // job.hosts
+    names = ["dp.tp0", "dp.tp1"] + [f"tp.h{h}" for h in range(job.hosts)]
+    kinds = ["dp", "dp"] + ["tp"] * job.hosts
+    ranks = [list(range(0, job.ranks, 2)), list(range(1, job.ranks, 2))] + [
+        list(range(h * per, (h + 1) * per)) for h in range(job.hosts)]
+    links = [ring, ring] + [[] for _ in range(job.hosts)]
+    groups = pl.DataFrame({"group": names, "kind": kinds, "ranks": ranks, "hosts": [hosts] * 2 + [[h] for h in hosts],
+                           "links": links}, schema_overrides={"links": pl.List(pl.String)})
+    t = rng.lognormal(np.log(3e6), 0.03, size=(len(names), job.steps))
+    if slow is not None:
+        for a, b in on:
+            t[:2, a:b] *= 3.0
+    for s in hiccups:
+        t[:, s] *= 2.5
+    gi, si = np.meshgrid(np.arange(len(names)), np.arange(job.steps), indexing="ij")
+    gt = pl.DataFrame({"group": [names[i] for i in gi.ravel()], "kind": [kinds[i] for i in gi.ravel()],
+                       "step": si.ravel(), "ops": 2, "bytes": 1 << 20, "transfer_ns": t.ravel().astype(np.int64)})
+    return {"groups": groups, "group_transfer": gt}
+
+
+def test_an_on_off_slow_link_every_ring_crosses_is_found_against_the_rings_own_history() -> None:
+    """Every data-parallel ring crosses every link, so comparing rings with each other sees nothing; against their own
+    history (network-wide hiccups divided out by the intra-host groups) the on-off episodes stand out. The ring's
+    links cannot be told apart: one incident names them all, with the reason."""
+    job = Job(seed=40, hosts=8)
+    incs = detect_stragglers(job.frames(**_ring_groups(job, ("host2", "host3"), [(60, 75), (100, 112), (150, 165)],
+                                                       hiccups=(20, 45, 130))))
+    (inc,) = incs
+    assert (inc.subject.kind, inc.cause) == (SubjectKind.LINK, Cause.SLOW_LINK)
+    assert link_name("host2", "host3") in inc.subject.id.split(" | ") and len(inc.subject.id.split(" | ")) == 8
+    assert "cannot tell apart" in inc.summary
+    assert inc.onset_step is not None and 58 <= inc.onset_step <= 62
+
+
+def test_network_hiccups_on_every_group_are_no_slow_link() -> None:
+    job = Job(seed=41, hosts=8)
+    assert detect_stragglers(job.frames(**_ring_groups(job, None, [], hiccups=(20, 21, 45, 90, 91, 92, 130)))) == ()
