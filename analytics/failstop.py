@@ -70,7 +70,7 @@ class FailStopConfig:
     graph_confidence: float = 0.9
     """The culprit is the root of the wait graph of blocked collectives."""
     fallback_confidence: float = 0.7
-    """The culprit was chosen by silence only."""
+    """The culprit was chosen by silence, or by where it is in a job stalled everywhere, only."""
     job_confidence: float = 0.8
     """The job stopped at once with no rank to blame."""
 
@@ -130,7 +130,7 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
                 break
     if not culprits:
         job = _job_stop(frames, start, terminal, abnormal, world, config)
-        return (_job_incident(frames, job, events, blocked, config),) if job is not None else ()
+        return (_job_incident(frames, job, events, config),) if job is not None else ()
     confidence = {"events": config.event_confidence, "named by peers": config.event_confidence,
                   "wait graph": config.graph_confidence}.get(method, config.fallback_confidence)
     return tuple(
@@ -408,8 +408,7 @@ def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnor
 
 # -- incidents ---------------------------------------------------------------------------------------------------------
 
-def _job_incident(frames: Frames, job: tuple[Cause, str], events: pl.DataFrame, blocked: pl.DataFrame,
-                  config: FailStopConfig) -> Incident:
+def _job_incident(frames: Frames, job: tuple[Cause, str], events: pl.DataFrame, config: FailStopConfig) -> Incident:
     cause, how = job
     live = frames.liveness
     ranks = tuple(sorted(int(r) for r in live["rank"]))
