@@ -232,7 +232,7 @@ def _silent(live: pl.DataFrame, stall: int) -> set[int]:
     ref = seen["seen"].median()
     if ref is None:
         return set()
-    silent = seen.filter(pl.col("seen") < float(ref) - stall)
+    silent = seen.filter(pl.col("seen") < float(ref) - stall)  # type: ignore[arg-type]
     if 2 * silent.height >= live.height:
         return set()
     return set(int(r) for r in silent["rank"])
