@@ -133,7 +133,8 @@ class StragglerConfig:
     before the rules run: the hardware spread of healthy devices (the slowest of a few hundred sits 3-5 % above
     its peers all run long). Without a change point, a constant offset that small cannot be told from that spread;
     a rank slower than this from its first step still fires with the rest of its excess, and a slowdown that starts
-    later is measured against the rank's own baseline."""
+    later is measured against the rank's own baseline. Not scaled with a noisy run's noise: the hardware spread does
+    not grow with it (and a live window whose straggler predates it keeps all but this much of its excess)."""
     nominal_transfer_noise: float = 0.03
     """Step-to-step spread of a group's log transfer time that `link_excess` is stated for; scales the same way."""
 
@@ -184,8 +185,7 @@ def _scaled(config: StragglerConfig, factor: float) -> StragglerConfig:
     if factor <= 1.0:
         return config
     return replace(config, **{name: getattr(config, name) * factor for name in (
-        "cusum_reference", "cusum_threshold", "cusum_clip", "sustain_excess", "burst_excess", "stage_excess",
-        "baseline_cap")})
+        "cusum_reference", "cusum_threshold", "cusum_clip", "sustain_excess", "burst_excess", "stage_excess")})
 
 
 def _excess_table(frames: Frames, config: StragglerConfig) -> pl.DataFrame:

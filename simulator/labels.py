@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
 
 from rankwatch.analytics.incidents import Cause, IncidentClass, SubjectKind
+from rankwatch.collector.gpu import replay_uuid
 from rankwatch.collector.schema import GroupKind, link_name
 from rankwatch.simulator.config import SimConfig, Timing
 from rankwatch.simulator.faults import (
@@ -55,6 +56,8 @@ class Label:
     ranks: tuple[int, ...]
     onset_step: int
     cause: Cause
+    device_fault: bool = False
+    """The fault is the device's hardware (a throttled GPU, a hardware ECC error); the subject is then the device."""
 
 
 class BenignKind(StrEnum):
@@ -89,7 +92,8 @@ class Labels:
             "version": LABELS_VERSION, "scenario": self.scenario, "ranks": self.ranks, "steps": self.steps,
             "layout": self.layout, "hosts": self.hosts,
             "expected": [{"class": str(x.klass), "subject_kind": str(x.subject_kind), "subject": x.subject,
-                          "ranks": list(x.ranks), "onset_step": x.onset_step, "cause": str(x.cause)}
+                          "ranks": list(x.ranks), "onset_step": x.onset_step, "cause": str(x.cause),
+                          **({"device_fault": True, "device": x.subject} if x.device_fault else {})}
                          for x in self.expected],
             "benign": [{"kind": str(b.kind), "ranks": list(b.ranks), "steps": list(b.steps)} for b in self.benign],
         }
@@ -109,7 +113,8 @@ def read_labels(path: Path | str) -> Labels:
             expected=tuple(
                 Label(klass=IncidentClass(x["class"]), subject_kind=SubjectKind(x["subject_kind"]),
                       subject=str(x["subject"]), ranks=tuple(int(r) for r in x["ranks"]),
-                      onset_step=int(x["onset_step"]), cause=Cause(x["cause"]))
+                      onset_step=int(x["onset_step"]), cause=Cause(x["cause"]),
+                      device_fault=bool(x.get("device_fault", False)))
                 for x in doc["expected"]
             ),
             benign=tuple(
@@ -166,10 +171,20 @@ def labels_for(cfg: SimConfig, skewed: Sequence[int] = ()) -> Labels:
                   FailHow.KILLED_ALL: Cause.VANISHED}
     div_cause = {DivergeField.RNG: Cause.RNG_MISMATCH, DivergeField.DATA: Cause.DATA_POSITION_MISMATCH,
                  DivergeField.STEP: Cause.STEP_MISMATCH}
+    def device(rank: int) -> str:
+        return replay_uuid(f"host{int(topo.host[rank])}", int(topo.local[rank]))
+
+    def on_device(label: Label) -> Label:
+        """A hardware fault of the rank's GPU: the device is the subject (direct evidence in its counters)."""
+        if label.subject_kind is not SubjectKind.RANK:
+            return label
+        return replace(label, subject_kind=SubjectKind.DEVICE, subject=device(label.ranks[0]), device_fault=True)
+
     for f in cfg.faults:
         if isinstance(f, Straggler):
-            out.append(Label(klass=IncidentClass.STRAGGLER, subject_kind=SubjectKind.RANK, subject=str(f.rank),
-                             ranks=(f.rank,), onset_step=f.from_step, cause=straggler_cause[f.cause]))
+            lab = Label(klass=IncidentClass.STRAGGLER, subject_kind=SubjectKind.RANK, subject=str(f.rank),
+                        ranks=(f.rank,), onset_step=f.from_step, cause=straggler_cause[f.cause])
+            out.append(on_device(lab) if f.cause in (StragglerCause.THERMAL, StragglerCause.POWER) else lab)
         elif isinstance(f, HostDataloader):
             out.append(Label(klass=IncidentClass.STRAGGLER, subject_kind=SubjectKind.HOST, subject=f"host{f.host}",
                              ranks=topo.host_ranks(f.host), onset_step=f.from_step, cause=Cause.DATALOADER))
@@ -198,13 +213,14 @@ def labels_for(cfg: SimConfig, skewed: Sequence[int] = ()) -> Labels:
         elif isinstance(f, Corruption):
             if f.kind is CorruptionKind.BITFLIP_PARAM:
                 cause = Cause.HARDWARE_ERROR if f.hardware else Cause.VALUE_MISMATCH
-                out += _consistency_labels(cfg, topo, (f.rank,), IncidentClass.CORRUPTION, cause,
+                labs = _consistency_labels(cfg, topo, (f.rank,), IncidentClass.CORRUPTION, cause,
                                            _first_fp(cfg, f.step))
+                out += [on_device(x) for x in labs] if f.hardware else labs
             else:
                 cause = Cause.NON_FINITE if f.kind is CorruptionKind.NAN else Cause.GRAD_NORM_OUTLIER
-                out.append(Label(klass=IncidentClass.CORRUPTION, subject_kind=SubjectKind.RANK, subject=str(f.rank),
-                                 ranks=(f.rank,), onset_step=f.step,
-                                 cause=Cause.HARDWARE_ERROR if f.hardware else cause))
+                lab = Label(klass=IncidentClass.CORRUPTION, subject_kind=SubjectKind.RANK, subject=str(f.rank),
+                            ranks=(f.rank,), onset_step=f.step, cause=Cause.HARDWARE_ERROR if f.hardware else cause)
+                out.append(on_device(lab) if f.hardware else lab)
         elif isinstance(f, SlowHardware):
             benign.append(Benign(kind=BenignKind.SLOW_HARDWARE, ranks=(f.rank,)))
         elif isinstance(f, ThrottleBitOnly):

@@ -59,8 +59,11 @@ def test_slow_rank_is_a_straggler_not_a_failure(tmp_path: Path) -> None:
 
 
 def test_throttled_gpu_straggler_names_the_cause(tmp_path: Path) -> None:
+    # the replayed GPU throttles to 60 % of its clock with the thermal bits set: direct evidence on the device, so the
+    # incident names the device (not the rank) and says it implicates hardware
     inc = _one(_incidents(_run(tmp_path, Faults().throttle(rank=1, from_step=30, delay_s=0.03))), IncidentClass.STRAGGLER)
-    assert (inc.subject.id, inc.cause) == ("1", Cause.THERMAL_THROTTLE)
+    assert (inc.subject.kind, inc.ranks, inc.cause) == (SubjectKind.DEVICE, (1,), Cause.THERMAL_THROTTLE)
+    assert inc.device_fault and inc.subject.id.startswith("GPU-")
 
 
 def test_slow_link_is_blamed_on_the_link(tmp_path: Path) -> None:

@@ -91,7 +91,10 @@ def test_straggler_computes_longer_and_waits_less(tmp_path: Path) -> None:
     throttled = con.execute("select min(sm_clock_mhz), bit_or(throttle_reasons) from gpu where rank = 5 and step >= 10").fetchone()
     assert throttled is not None and throttled[0] < 1800 and throttled[1] & 0x40
     label = read_labels(tmp_path).expected[0]
-    assert (label.klass, label.subject, label.cause) == (IncidentClass.STRAGGLER, "5", Cause.THERMAL_THROTTLE)
+    # a throttled GPU is a device fault: the label names the device (its replayed UUID) and carries rank 5
+    assert (label.klass, label.subject_kind, label.ranks, label.cause, label.device_fault) == (
+        IncidentClass.STRAGGLER, SubjectKind.DEVICE, (5,), Cause.THERMAL_THROTTLE, True)
+    assert label.subject.startswith("GPU-")
 
 
 def test_fail_stop_leaves_peers_in_flight_and_erroring(tmp_path: Path) -> None:
@@ -143,10 +146,10 @@ def test_divergence_and_corruption_traces_and_labels(tmp_path: Path) -> None:
     hw = con.execute("select xid_events, ecc_dbe_volatile from gpu where rank = 5 and step = 25").fetchone()
     assert hw == ([48], 1)
     labels = read_labels(tmp_path)
-    got = {(x.klass, x.subject_kind, x.subject, x.cause, x.onset_step) for x in labels.expected}
-    assert got == {
-        (IncidentClass.DIVERGENCE, SubjectKind.RANK, "2", Cause.RNG_MISMATCH, 10),
-        (IncidentClass.CORRUPTION, SubjectKind.RANK, "5", Cause.HARDWARE_ERROR, 25),
+    got = {(x.klass, x.subject_kind, x.ranks, x.cause, x.onset_step, x.device_fault) for x in labels.expected}
+    assert got == {  # the hardware corruption (XID 48, a DBE) names rank 5's device
+        (IncidentClass.DIVERGENCE, SubjectKind.RANK, (2,), Cause.RNG_MISMATCH, 10, False),
+        (IncidentClass.CORRUPTION, SubjectKind.DEVICE, (5,), Cause.HARDWARE_ERROR, 25, True),
     }
 
 
