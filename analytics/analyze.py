@@ -19,7 +19,7 @@ from rankwatch.analytics.anomaly import detect_anomalies
 from rankwatch.analytics.corruption import detect_corruption
 from rankwatch.analytics.divergence import detect_divergence
 from rankwatch.analytics.replay import detect_replay_divergence
-from rankwatch.analytics.failstop import detect_failstops
+from rankwatch.analytics.failstop import FailStopConfig, detect_failstops
 from rankwatch.analytics.frames import Clock, Frames
 from rankwatch.analytics.hardware import attribute_device_faults
 from rankwatch.analytics.incidents import Incident, sort_incidents, write_incidents
@@ -89,13 +89,16 @@ def _collect(warnings: tuple[str, ...]) -> None:
 
 
 def detect_all(frames: Frames, *, anomaly: bool = True, progress: Progress = _quiet,
-               timings: list[tuple[str, float]] | None = None) -> tuple[Incident, ...]:
+               timings: list[tuple[str, float]] | None = None, live: bool = False) -> tuple[Incident, ...]:
     """Every detector over one bundle of frames; then the device-fault post-pass (incidents that direct hardware
     evidence pins on one device name it, and failing devices nobody named are raised); the anomaly model last, told
     what the others found."""
+    # `live`: the run is still going (a monitor's window of it), so telemetry that ends mid-step is the present,
+    # not a job killed from outside (`FailStopConfig.run_over`).
+    failstop_config = FailStopConfig(run_over=not live)
     found: list[Incident] = []
     stages: list[tuple[str, Callable[[Frames], tuple[Incident, ...]]]] = [
-        ("fail-stop and hang", detect_failstops), ("transient stall", detect_transient_stalls),
+        ("fail-stop and hang", lambda f: detect_failstops(f, failstop_config)), ("transient stall", detect_transient_stalls),
         ("straggler", detect_stragglers),
         ("divergence", detect_divergence), ("replay verification", detect_replay_divergence),
         ("corruption", detect_corruption),

@@ -259,7 +259,7 @@ class LiveAnalyzer:
             raise read_error(exc, telemetry_dir(self.run_dir)) from None
         timings.append(("load", time.perf_counter() - t0))
         incidents = detect_all(frames, anomaly=self.config.anomaly, progress=progress or (lambda _: None),
-                               timings=timings)
+                               timings=timings, live=True)
         return Analysis(
             run_dir=self.run_dir, incidents=incidents, ranks=frames.world_size, first_step=frames.first_step,
             last_step=frames.last_step,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
+from rankwatch.analytics.analyze import detect_all
 from rankwatch.analytics.failstop import FailStopConfig, detect_failstops
 from rankwatch.analytics.frames import Clock, Frames
 from rankwatch.analytics.incidents import Cause, IncidentClass, SubjectKind
@@ -150,6 +151,10 @@ def test_live_window_gives_nothing_and_the_same_run_over_is_a_killed_job() -> No
     (inc,) = detect_failstops(frames)
     assert (inc.klass, inc.subject.kind, inc.ranks, inc.onset_step) == (
         IncidentClass.FAIL_STOP, SubjectKind.JOB, (0, 1, 2, 3), 50)
+    # what the live monitor runs (`detect_all(live=True)`, as `LiveRun.analyze` calls it) reads the window as live
+    assert [i for i in detect_all(frames, anomaly=False, live=True) if i.klass is IncidentClass.FAIL_STOP] == []
+    assert [i.subject.kind for i in detect_all(frames, anomaly=False) if i.klass is IncidentClass.FAIL_STOP] == [
+        SubjectKind.JOB]
 
 
 def test_config_validation() -> None:
