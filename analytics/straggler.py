@@ -225,7 +225,7 @@ def _own_table(frames: Frames, config: StragglerConfig) -> pl.DataFrame:
     steps = steps.join(role_size, on=_ROLE).with_columns(
         pl.when(pl.col("role_size") >= config.min_peers).then(pl.col(_ROLE)).otherwise(pl.lit("job")).alias("peer")
     )
-    steps = _replica_adjusted(steps, config).with_columns(
+    steps = _replica_adjusted(steps, config, device=device).with_columns(
         (pl.col("comp") if device else pl.col("comp") + pl.col("dl")).alias("own"))
     # Expected own time = the peers' median compute + their median dataloader wait, so a slow host input pipeline
     # is seen as long as the host holds at most half of a role (hosts >= 2 * pp with contiguous placement).
@@ -247,7 +247,7 @@ _REPLICA_MIN = 4
 still a healthy rank's value with two slow ranks among them."""
 
 
-def _replica_adjusted(steps: pl.DataFrame, config: StragglerConfig) -> pl.DataFrame:
+def _replica_adjusted(steps: pl.DataFrame, config: StragglerConfig, *, device: bool = False) -> pl.DataFrame:
     """Take out of each rank's compute the per-step variation its whole data-parallel replica shares.
 
     The ranks of one replica (same `dp` coordinate: every stage and tensor-parallel shard of it) work on the same
@@ -265,14 +265,19 @@ def _replica_adjusted(steps: pl.DataFrame, config: StragglerConfig) -> pl.DataFr
         return steps.with_columns(pl.col("comp").alias("comp_raw"), pl.lit(None, pl.Float64).alias("rep_f"),
                                   pl.lit(None, pl.Float64).alias("rep_m"), pl.lit(None, pl.Float64).alias("rep_res"),
                                   pl.lit(0, pl.UInt32).alias("rep_n"))
-    med = pl.col("comp").median().over("peer", _S)
-    t = steps.with_columns(pl.when(med > 0).then(pl.col("comp") / med - 1.0).otherwise(None).alias("_rc"))
+    # The batch scales the device's own work; on the device clock compute also holds the time the GPU idled waiting
+    # for the host's batch (the dataloader wait), which is the input pipeline's, not the batch's: left as it is.
+    idle = pl.col("dl").clip(upper_bound=pl.col("comp")) if device else pl.lit(0.0)
+    t = steps.with_columns((pl.col("comp") - idle).alias("_w"), idle.alias("_idle"))
+    med = pl.col("_w").median().over("peer", _S)
+    t = t.with_columns(pl.when(med > 0).then(pl.col("_w") / med - 1.0).otherwise(None).alias("_rc"))
     rep = t.group_by(_DP, _S).agg(pl.col("_rc").quantile(0.5, interpolation="lower").alias("rep_f"),
                                   pl.col("_rc").median().alias("rep_m"), pl.col("_rc").count().alias("rep_n"))
     t = t.join(rep, on=[_DP, _S], how="left")
     shared = pl.when(pl.col("rep_n") >= _REPLICA_MIN).then(pl.col("rep_f")).otherwise(0.0).fill_null(0.0)
     return t.with_columns(pl.col("comp").alias("comp_raw"), (pl.col("_rc") - pl.col("rep_m")).alias("rep_res"),
-                          (pl.col("comp") / (1.0 + shared).clip(0.2, None)).alias("comp")).drop("_rc")
+                          (pl.col("_w") / (1.0 + shared).clip(0.2, None) + pl.col("_idle")).alias("comp")
+                          ).drop("_rc", "_w", "_idle")
 
 
 def _fire_table(own: pl.DataFrame, config: StragglerConfig) -> pl.DataFrame:
