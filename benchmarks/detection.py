@@ -93,21 +93,35 @@ def _run_one(scenario: Scenario, root: Path, clock: Clock = Clock.AUTO) -> Outco
     )
 
 
-def _run_independent(scenario: Any, root: Path, timing: str, clock: Clock = Clock.AUTO) -> Outcome:
+def _run_independent(scenario: Any, root: Path, timing: str, clock: Clock = Clock.AUTO, keep: bool = False) -> Outcome:
     """`_run_one` for a scenario of the independent source (benchmarks/independent: written apart from the
-    detectors, with its own physics and noise model)."""
+    detectors, with its own physics and noise model). With `keep` the run stays under `root`, and a run already
+    there from the same seed is analyzed again without generating it anew (generation is most of a suite's time)."""
     t0 = time.perf_counter()
-    out = generate_independent(scenario, root / timing, timing)
+    out = root / timing / scenario.name
+    if not (keep and _generated(out, scenario.seed, timing)):
+        shutil.rmtree(out, ignore_errors=True)
+        out = generate_independent(scenario, root / timing, timing)
     t1 = time.perf_counter()
     incidents = analyze(out, clock=clock).incidents
     t2 = time.perf_counter()
     labels = json.loads((out / "labels.json").read_text())
-    shutil.rmtree(out, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
     return Outcome(
         scenario=scenario.name, timing=timing, ranks=labels["ranks"], steps=labels["steps"],
         expected=tuple(labels["expected"]), incidents=tuple(i.to_dict() for i in incidents),
         seconds_simulate=t1 - t0, seconds_analyze=t2 - t1,
     )
+
+
+def _generated(run: Path, seed: int, timing: str) -> bool:
+    """Whether `run` holds a complete independent run of `seed` in `timing` (its labels are written last)."""
+    try:
+        labels = json.loads((run / "labels.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return labels.get("seed") == seed and labels.get("timing") == timing
 
 
 def _matches(label: dict[str, Any], inc: dict[str, Any]) -> bool:
@@ -306,7 +320,9 @@ def main() -> int:
     ap.add_argument("--timing", choices=("cpu", "gpu", "both"), default="both",
                     help="clock semantics to simulate: gloo (cpu), CUDA (gpu) or both, scored side by side")
     ap.add_argument("--only", default="", help="run scenarios whose name contains this")
-    ap.add_argument("--keep", type=Path, default=None, help="simulate into this folder (default: a temp folder)")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="simulate into this folder and keep the runs (default: a temp folder); with --source "
+                         "independent, runs already there from the same seed are analyzed again, not regenerated")
     ap.add_argument("--jobs", type=int, default=2, help="scenarios in parallel")
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="add this to every scenario's seed: the same faults over fresh noise (a held-out draw)")
@@ -364,7 +380,7 @@ def _independent_main(args: argparse.Namespace, modes: list[str]) -> int:
     print(f"independent source, {args.split} split: {n} runs over {len(modes)} timing(s); generating into {root}")
     jobs = [(sc, m) for m in modes for sc in chosen[m]]
     return _run_suite(args, modes, root, 48, _run_independent, [sc for sc, _ in jobs], [root] * len(jobs),
-                      [m for _, m in jobs], [Clock(args.clock)] * len(jobs))
+                      [m for _, m in jobs], [Clock(args.clock)] * len(jobs), [args.keep is not None] * len(jobs))
 
 if __name__ == "__main__":
     sys.exit(main())
