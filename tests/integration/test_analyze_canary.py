@@ -52,7 +52,9 @@ def test_clean_run_has_no_incident(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_slow_rank_is_a_straggler_not_a_failure(tmp_path: Path) -> None:
-    inc = _one(_incidents(_run(tmp_path, Faults().slow(rank=2, from_step=30, delay_s=0.03))), IncidentClass.STRAGGLER)
+    # 60 ms more per step: on ranks sharing two cores with other load the per-step noise reaches ~30 %, and a
+    # slowdown of one or two noise widths (30 ms) leaves its onset a matter of chance within 5-25 steps
+    inc = _one(_incidents(_run(tmp_path, Faults().slow(rank=2, from_step=30, delay_s=0.06))), IncidentClass.STRAGGLER)
     assert (inc.subject.kind, inc.subject.id, inc.ranks) == (SubjectKind.RANK, "2", (2,))
     assert inc.onset_step is not None and abs(inc.onset_step - 30) <= 3
     assert inc.detection_step is not None and inc.detection_step - 30 <= 10
