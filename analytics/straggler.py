@@ -188,11 +188,6 @@ def _scaled(config: StragglerConfig, factor: float) -> StragglerConfig:
         "cusum_reference", "cusum_threshold", "cusum_clip", "sustain_excess", "burst_excess", "stage_excess")})
 
 
-def _excess_table(frames: Frames, config: StragglerConfig) -> pl.DataFrame:
-    """One row per rank-step: own time, its peers' medians, excess, the CUSUM and the two firing rules."""
-    return _fire_table(_baselined(_own_table(frames, config), config.baseline_steps, config.baseline_cap), config)
-
-
 def _baselined(own: pl.DataFrame, steps: int, cap: float | None) -> pl.DataFrame:
     """`own` with each rank's baseline (the median excess of its first `steps` steps, clipped to +-`cap`; None =
     unclipped) subtracted from `x`; the excess against the peers as measured stays in `x_raw`."""
@@ -447,7 +442,7 @@ def _rank_incident(rank: int, group: list[_Episode], rows: pl.DataFrame, clock: 
     ep = rows.filter(mask)
     slow = ep.filter(pl.col("x") > config.sustain_excess)
     slow = slow if slow.height else ep
-    effect = float(slow.get_column("x_raw" if "x_raw" in slow.columns else "x").median())  # type: ignore[arg-type]
+    effect = float(slow.get_column("x_raw").median())  # type: ignore[arg-type]
     ex_own = float((slow["own"] - slow["med_own"]).sum())
     ex_dl = float((slow["dl"] - slow["med_dl"]).sum())
     cause, cause_note, gpu_ev = Cause.UNKNOWN, "", None
@@ -474,8 +469,7 @@ def _rank_incident(rank: int, group: list[_Episode], rows: pl.DataFrame, clock: 
                 f"role peers; excess {effect:.1%} median over {slow.height} slow steps, noise {noise:.2%} per step",
         columns=("rank", "step", comp_col, "dataloader_wait_ns", "peer_median_ns", "ratio"),
         rows=tuple((rank, int(s), int(c), int(d), int(m), round(1 + float(xx), 4)) for s, c, d, m, xx in
-                   slow.select(_S, "comp_raw" if "comp_raw" in slow.columns else "comp", "dl", "med_own",
-                               "x_raw" if "x_raw" in slow.columns else "x").head(20).iter_rows()),
+                   slow.select(_S, "comp_raw", "dl", "med_own", "x_raw").head(20).iter_rows()),
     )]
     if gpu_ev is not None:
         evidence.append(gpu_ev)
