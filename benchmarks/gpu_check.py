@@ -308,7 +308,10 @@ def check_cpu_fallback_canary(out: Path) -> Result:
     wall_b = _median([r[Steps.COMPUTE_NS] for r in rows if 5 <= r[Steps.STEP] < start])
     wall_a = _median([r[Steps.COMPUTE_NS] for r in rows if r[Steps.STEP] >= start + 2])
     rise = (cpu_a / cpu_b - 1) / (GPU_SLOW_FACTOR - 1)
-    ok = len(warnings) == 1 and 0.5 < rise < 2.0
+    # The products add (factor - 1) x the calibrated own compute, while the thread's step also spends CPU on the
+    # collector, gloo and the optimizer, which they do not scale: 0.35-0.7 of the full rise is measured (the same
+    # bound as tests/integration/test_fault_injection.py's, > 1.2 at factor 2).
+    ok = len(warnings) == 1 and 0.2 < rise < 2.0
     said = warnings[0][Events.MESSAGE] if warnings else "none"
     figures = (f"{len(warnings)} warning event(s): '{said}'; thread CPU per step {cpu_b / 1e6:.2f} -> "
                f"{cpu_a / 1e6:.2f} ms (x{cpu_a / cpu_b:.2f} at factor {GPU_SLOW_FACTOR:g}); compute_ns "
