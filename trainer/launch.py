@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,8 @@ class LaunchResult:
     fingerprinted steps it trained again."""
     warnings: tuple[str, ...] = ()
     """What the launcher could not do after the ranks ended (e.g. verify the replay), one line each."""
+    stopped: bool = False
+    """The caller's `stop` event ended the job (its still-running ranks are in `terminated`)."""
 
     @property
     def ok(self) -> bool:
@@ -113,12 +116,19 @@ def launch(
     timeout_s: float | None = None,
     poll_s: float = 0.1,
     rollup_interval_s: float | None = None,
+    stop: threading.Event | None = None,
+    on_start: Callable[[tuple[int, ...]], None] | None = None,
 ) -> LaunchResult:
     """Run the canary on `cfg.world_size` ranks and wait for them.
 
     `failure_grace_s` defaults to the process-group timeout plus 5 s; `timeout_s` bounds the whole run. With
     `rollup_interval_s`, a rollup agent merges each virtual host's new rank part files into host parts at that
-    interval while the job runs, and once more after it ends (`collector.rollup`)."""
+    interval while the job runs, and once more after it ends (`collector.rollup`).
+
+    `stop`, when set from another thread (a recovery manager that was told of a fail-stop or hang), ends the job at
+    once: SIGTERM to every rank still running (the collector records it and flushes), SIGKILL after `term_grace_s`;
+    those ranks are in `terminated` and `stopped` is True. `on_start` is called with the ranks' pids once they are
+    spawned (rank order)."""
     run_dir = Path(cfg.run_dir)
     if cfg.resume:
         preflight(run_dir)  # a bad run directory fails here, before anything is created or appended
@@ -134,6 +144,9 @@ def launch(
     ctx = mp.start_processes(run_rank, args=(cfg, store.port), nprocs=cfg.world_size, join=False, start_method="spawn")
     procs = ctx.processes
     pids = tuple(p.pid for p in procs)
+    if on_start is not None:
+        on_start(tuple(int(p) for p in pids))
+    stopped = False
     first_failure: float | None = None
     terminated: list[int] = []
     sent_term_at: float | None = None
@@ -146,7 +159,10 @@ def launch(
             if first_failure is None and any(c not in (None, 0) for c in codes):
                 first_failure = now
             deadline_hit = timeout_s is not None and now - start > timeout_s
-            if sent_term_at is None and ((first_failure is not None and now - first_failure > grace) or deadline_hit):
+            stop_hit = stop is not None and stop.is_set()
+            stopped = stopped or (stop_hit and sent_term_at is None)
+            if sent_term_at is None and ((first_failure is not None and now - first_failure > grace) or deadline_hit
+                                         or stop_hit):
                 for r, p in enumerate(procs):
                     if p.exitcode is None:
                         terminated.append(r)
@@ -189,6 +205,7 @@ def launch(
         terminated=tuple(terminated),
         replay=checks,
         warnings=tuple(warnings),
+        stopped=stopped,
     )
 
 
