@@ -258,8 +258,9 @@ def _simulate(plan: Plan, rng: np.random.Generator, never_next: np.ndarray | Non
         o.enter = np.where(mask[None, :] & np.isfinite(enter), enter, o.enter)
         o.exit = np.where(mask[None, :] & np.isfinite(enter), exit_, o.exit)
 
-    def enter_death(key: str, t: np.ndarray) -> None:
-        if d is not None and d.where == key and not d.stuck_only:
+    def enter_death(key: str, t: np.ndarray, mine: np.ndarray | None = None) -> None:
+        # `mine`: the ranks of the stage the op is entered for (a later stage's pass must not move the death)
+        if d is not None and d.where == key and not d.stuck_only and (mine is None or mine[d.rank]):
             clk.death[d.step, d.rank] = t[d.step, d.rank] + 1e-4
 
     def stuck(key: str, exit_: np.ndarray) -> np.ndarray:
@@ -308,7 +309,7 @@ def _simulate(plan: Plan, rng: np.random.Generator, never_next: np.ndarray | Non
         set_death("forward", t, np.where(sl[None, :], wf + stall, 0.0), sl)
         t = clk.cut(t + part)
         if T > 1:
-            enter_death("tp_fwd", t)
+            enter_death("tp_fwd", t, sl)
             ex = group_leave(t, (-1,), tp_x)
             ex = stuck("tp_fwd", ex)
             record("tp_fwd", t, ex, sl)
@@ -344,7 +345,7 @@ def _simulate(plan: Plan, rng: np.random.Generator, never_next: np.ndarray | Non
         set_death("backward", t, np.where(sl[None, :], wb, 0.0), sl)
         t = clk.cut(t + np.where(sl[None, :], half_b, 0.0))
         if T > 1:
-            enter_death("tp_bwd", t)
+            enter_death("tp_bwd", t, sl)
             ex = group_leave(t, (-1,), tp_x)
             ex = stuck("tp_bwd", ex)
             record("tp_bwd", t, ex, sl)

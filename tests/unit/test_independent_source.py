@@ -147,3 +147,22 @@ def test_gpu_step_times_agree_while_device_compute_shows_the_slow_device(tmp_pat
     assert abs(np.median(cpu[late & (st["rank"] == x)]) / np.median(cpu[late & (st["rank"] != x)]) - 1) < 0.03
     c = _read(run, Table.COLLECTIVES)
     assert np.nanmax(c["duration_ns"].astype(float)) < 1e6  # CPU side of a CUDA collective: launch latency
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["tp_fwd", "tp_bwd"])
+@pytest.mark.parametrize("timing", ["cpu", "gpu"])
+def test_a_death_inside_a_tensor_parallel_op_of_any_stage_is_placed_in_that_stage(where: str, timing: str) -> None:
+    """The forward / backward waves visit every stage; a death inside a tensor-parallel op belongs to the pass of
+    the dying rank's own stage (a later stage's pass once moved it to 'never', and the run could not be built)."""
+    from independent.timeline import Death
+
+    world = World(4, 2, 3, 7)  # dp=4, tp=2, pp=3: a first, a middle and a last stage
+    for rank in range(world.n):
+        draw = healthy(world, 12, timing, np.random.default_rng(rank))
+        draw.plan.death = Death(rank=rank, step=8, where=where, frac=0.5)
+        sim = simulate(draw.plan, np.random.default_rng(11))
+        assert sim.death_time is not None and np.isfinite(sim.death_time), (rank, world.pp_of[rank])
+        op = next(o for o in sim.ops if o.key == where)
+        # it dies once inside the op it entered, not at a later stage's pass (where it was long gone)
+        assert op.enter[8, rank] <= sim.death_time - sim.origin[8] <= op.enter[8, rank] + 1e-3, rank
