@@ -1,0 +1,409 @@
+"""The recovery manager service against its real HTTP server (uvicorn on 127.0.0.1, a free port): refusals with the
+right codes, counted in /status; at-most-once application, also across a restart on the same state file; decisions
+that stop the job, quarantine while it runs, or only record; Alertmanager deliveries as evidence only. The job is
+the shipped FakeLauncher (no torch ranks); the recovery is the real `trainer.manager.apply`."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from standardwebhooks.webhooks import Webhook
+
+from rankwatch.analytics.incidents import Cause, HardwareSignal, Incident, IncidentClass, Subject, SubjectKind
+from rankwatch.trainer.canary import CanaryConfig
+from rankwatch.trainer.lineage import lineage_path, read
+from rankwatch.trainer.manager import QUARANTINE_FILE, RECOVERY_DIR, quarantined
+from rankwatch.trainer.parallel import Layout
+from rankwatch.trainer.service import (
+    MANAGER_DIR, STATE_FILE, FakeLauncher, JobState, ManagerService, parse_message, plan_from_message, read_secret,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
+TOKEN = "am-token-1"
+
+
+# ---------------------------------------------------------------------------------------------- test helpers
+
+
+def incident(klass: IncidentClass = IncidentClass.FAIL_STOP, *, rank: int = 1, attempt: int | None = 0,
+             device: str | None = None) -> Incident:
+    if device is not None:  # a device fault: throttled with clock loss
+        return Incident(klass=klass, subject=Subject(kind=SubjectKind.DEVICE, id=device), ranks=(rank,), onset_step=5,
+                        detection_step=8, confidence=0.9, cause=Cause.THERMAL_THROTTLE, summary=f"{device} throttled",
+                        attempt=attempt, hardware=(HardwareSignal.THROTTLE, HardwareSignal.CLOCK_LOSS))
+    return Incident(klass=klass, subject=Subject(kind=SubjectKind.RANK, id=str(rank)), ranks=(rank,), onset_step=7,
+                    detection_step=7, confidence=1.0, cause=Cause.UNKNOWN, summary=f"rank {rank} {klass}",
+                    attempt=attempt)
+
+
+def contract_body(run_dir: Path, inc: Incident, *, type_: str = "decision", action: str | None = "restart_job",
+                  **overrides: Any) -> bytes:
+    """A body of the wire contract (PRE15: Alertmanager v4 + rankwatch's keys), built by hand."""
+    run = run_dir.name
+    firing = type_ != "incident.resolved"
+    camel = "".join(p.capitalize() for p in str(inc.klass).split("_"))
+    labels = {"alertname": f"Rankwatch{camel}", "class": str(inc.klass), "run": run,
+              "rank": ",".join(map(str, inc.ranks)), "hostname": "h0", "uuid": "", "severity": "critical"}
+    decision = None if type_ != "decision" else {
+        "id": f"{inc.id}/{action}", "action": action, "scope": "job", "target": None, "checkpoint": None,
+        "path": ["gate=none", f"-> {action}"], "reasons": ["test"], "quarantines": []}
+    doc: dict[str, Any] = {
+        "version": "4", "groupKey": f"rankwatch/{run}/{inc.id}", "truncatedAlerts": 0,
+        "status": "firing" if firing else "resolved", "receiver": "rankwatch-manager", "externalURL": "",
+        "groupLabels": {"alertname": labels["alertname"], "run": run}, "commonLabels": labels,
+        "commonAnnotations": {},
+        "alerts": [{"status": "firing" if firing else "resolved", "labels": labels,
+                    "annotations": {"summary": inc.summary, "decision": "" if decision is None else str(action),
+                                    "evidence": ""},
+                    "startsAt": "2026-12-01T20:00:00Z", "endsAt": "0001-01-01T00:00:00Z", "generatorURL": "",
+                    "fingerprint": hashlib.sha256(f"{run}|{inc.id}".encode()).hexdigest()[:16]}],
+        "type": type_, "timestamp": "2026-12-01T20:00:01Z",
+        "rankwatch": {"schema": 1, "run": run, "run_dir": str(run_dir), "incident": inc.id,
+                      "incident_doc": inc.to_dict(), "decision_id": None if decision is None else decision["id"],
+                      "decision": decision, "scope": "job", "evidence": {}},
+    }
+    doc.update(overrides)
+    return json.dumps(doc).encode()
+
+
+def msg_id(body: bytes) -> str:
+    return "msg_" + hashlib.sha256(body).hexdigest()[:32]
+
+
+def signed(body: bytes, *, mid: str | None = None, ts: float | None = None, secret: str = SECRET) -> dict[str, str]:
+    mid = mid or msg_id(body)
+    when = datetime.fromtimestamp(time.time() if ts is None else ts, tz=timezone.utc)
+    return {"webhook-id": mid, "webhook-timestamp": str(int(when.timestamp())),
+            "webhook-signature": Webhook(secret).sign(mid, when, body.decode())}
+
+
+def post(svc: ManagerService, path: str, body: bytes | Iterator[bytes], headers: dict[str, str]) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", svc.port, timeout=10)
+    try:
+        chunked = not isinstance(body, bytes)
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **headers},
+                     encode_chunked=chunked)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def get(svc: ManagerService, path: str) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", svc.port, timeout=10)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def status(svc: ManagerService) -> dict[str, Any]:
+    code, doc = get(svc, "/status")
+    assert code == 200
+    assert isinstance(doc, dict)
+    return doc
+
+
+def decided(svc: ManagerService, n: int = 1) -> dict[str, Any]:
+    """/status once `n` decisions reached done or failed."""
+    wait_for(lambda: sum(v for k, v in status(svc)["decisions"].items() if k in ("done", "failed")) >= n)
+    return status(svc)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run-a"
+
+
+def job(run_dir: Path) -> CanaryConfig:
+    return CanaryConfig(run_dir=run_dir, steps=20, layout=Layout(dp=2), gpu="off")
+
+
+def service(run_dir: Path, launcher: FakeLauncher, *, with_job: bool = True, **kw: Any) -> ManagerService:
+    return ManagerService(run_dir, secret=SECRET, token=TOKEN, job=job(run_dir) if with_job else None,
+                          launcher=launcher, planner=plan_from_message, **kw)
+
+
+@pytest.fixture
+def running(run_dir: Path) -> Iterator[tuple[ManagerService, FakeLauncher]]:
+    fake = FakeLauncher(("run", "ok"))
+    svc = service(run_dir, fake, max_body=4096).start()
+    assert fake.started.acquire(timeout=10)
+    wait_for(lambda: status(svc)["job"]["state"] == JobState.RUNNING)
+    try:
+        yield svc, fake
+    finally:
+        svc.stop()
+
+
+# --------------------------------------------------------------------------------------------------- refusals
+
+
+def test_healthz_and_the_bound_port(running: tuple[ManagerService, FakeLauncher]) -> None:
+    svc, _ = running
+    assert svc.port > 0 and get(svc, "/healthz") == (200, {"ok": True})
+
+
+def test_every_refusal_has_its_code_its_log_line_and_its_counter(
+    running: tuple[ManagerService, FakeLauncher], run_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    svc, fake = running
+    body = contract_body(run_dir, incident())
+    good = signed(body)
+    caplog.set_level(logging.WARNING, logger="rankwatch.manager")
+
+    cases: list[tuple[str, bytes | Iterator[bytes], dict[str, str], int]] = [
+        ("bad_signature", body, signed(body, secret="whsec_" + base64.b64encode(b"x" * 32).decode()), 401),
+        ("bad_signature", body.replace(b'"rank 1', b'"rank 2'), good, 401),  # the body changed under the signature
+        ("missing_headers", body, {k: v for k, v in good.items() if k != "webhook-signature"}, 401),
+        ("missing_headers", body, {}, 401),
+        ("malformed_signature", body, {**good, "webhook-signature": "v1"}, 401),
+        ("malformed_signature", body, {**good, "webhook-signature": "v1,@@not-base64@@"}, 401),
+        ("malformed_headers", body, {**good, "webhook-timestamp": "soon"}, 401),
+        ("stale_timestamp", body, signed(body, ts=time.time() - 301), 401),
+        ("stale_timestamp", body, signed(body, ts=time.time() + 400), 401),
+        ("too_large", b"{" + b" " * 5000 + b"}", good, 413),  # Content-Length over the limit
+        ("too_large", iter([b"{", b" " * 3000, b" " * 3000, b"}"]), good, 413),  # chunked: the streamed read is capped
+    ]
+    for reason, b, headers, code in cases:
+        got, doc = post(svc, "/alerts", b, headers)
+        assert (got, doc["error"]) == (code, reason), (reason, doc)
+
+    broken = json.loads(body)
+    del broken["rankwatch"]["incident_doc"]
+    raw = json.dumps(broken).encode()
+    got, doc = post(svc, "/alerts", raw, signed(raw))
+    assert got == 400 and doc["error"] == "malformed_body" and "rankwatch.incident_doc" in doc["detail"]
+    other = contract_body(run_dir.with_name("run-b"), incident())
+    got, doc = post(svc, "/alerts", other, signed(other))
+    assert got == 400 and doc["error"] == "wrong_run"
+
+    refused = status(svc)["refused"]
+    assert refused == {"bad_signature": 2, "missing_headers": 2, "malformed_signature": 2, "malformed_headers": 1,
+                       "stale_timestamp": 2, "too_large": 2, "malformed_body": 1, "wrong_run": 1}
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused /alerts")]
+    assert len(lines) == 13 and all("\n" not in line for line in lines)
+    assert any(good["webhook-id"] in line and "bad_signature" in line for line in lines)
+    # nothing refused was applied: the job still runs its first attempt
+    assert len(fake.calls) == 1 and status(svc)["job"]["state"] == JobState.RUNNING
+    assert not (run_dir / RECOVERY_DIR).exists()
+
+
+def test_a_replayed_id_is_a_duplicate_with_the_same_body_and_a_conflict_with_another(
+    running: tuple[ManagerService, FakeLauncher], run_dir: Path
+) -> None:
+    svc, fake = running
+    body = contract_body(run_dir, incident())
+    mid = msg_id(body)
+    code, doc = post(svc, "/alerts", body, signed(body, mid=mid))
+    assert code == 202 and doc["accepted"] and doc["stopping"]
+    s = decided(svc)
+    assert s["last_decision"]["state"] == "done" and s["last_decision"]["recovery_id"] == "recovery-0001"
+    # the retry of the same message (a new timestamp, so a new signature): acknowledged, nothing applied again
+    code, doc = post(svc, "/alerts", body, signed(body, mid=mid, ts=time.time() + 1))
+    assert code == 200 and doc["duplicate"] and doc["state"] == "done"
+    other = contract_body(run_dir, incident(rank=0))
+    code, doc = post(svc, "/alerts", other, signed(other, mid=mid))
+    assert code == 409 and doc["error"] == "replayed_id"
+    time.sleep(0.2)  # room for a wrongful second application to show
+    assert len(fake.calls) == 2 and len(list((run_dir / RECOVERY_DIR).glob("recovery-*.json"))) == 1
+    assert status(svc)["refused"] == {"replayed_id": 1}
+
+
+# ---------------------------------------------------------------------------------------------------- actions
+
+
+def test_a_fail_stop_decision_stops_the_job_at_once_recovers_it_and_status_shows_it(
+    running: tuple[ManagerService, FakeLauncher], run_dir: Path
+) -> None:
+    svc, fake = running
+    inc = incident()
+    fired = contract_body(run_dir, inc, type_="incident.firing", action=None)
+    assert post(svc, "/alerts", fired, signed(fired))[0] == 200
+    assert [i["id"] for i in status(svc)["open_incidents"]] == [inc.id]
+    body = contract_body(run_dir, inc)
+    assert post(svc, "/alerts", body, signed(body))[0] == 202
+    s = decided(svc)
+    assert s["last_decision"]["outcome"] == "recovered" and s["job"]["state"] == JobState.FINISHED
+    # the first attempt ended by the stop event (not by its own end), the relaunch from step 0 finished
+    assert [(a["attempt"], a["stopped"], a["exit_codes"]) for a in s["attempts"]] == [(0, True, [-15, -15]),
+                                                                                      (1, False, [0, 0])]
+    assert not fake.calls[1].resume and not fake.calls[1].faults.specs()
+    rec = json.loads((run_dir / RECOVERY_DIR / "recovery-0001.json").read_text())
+    assert rec["incidents"] == [inc.id] and rec["action"] == "restart_job" and rec["outcome"] == "recovered"
+    assert [str(e.kind) for e in read(lineage_path(run_dir))][:1] == ["restart"]
+    resolved = contract_body(run_dir, inc, type_="incident.resolved", action=None)
+    assert post(svc, "/alerts", resolved, signed(resolved))[0] == 200
+    assert status(svc)["open_incidents"] == []
+
+
+def test_a_quarantine_decision_applies_it_and_leaves_the_job_running(
+    running: tuple[ManagerService, FakeLauncher], run_dir: Path
+) -> None:
+    svc, fake = running
+    body = contract_body(run_dir, incident(IncidentClass.STRAGGLER, device="GPU-aa"), action="quarantine")
+    code, doc = post(svc, "/alerts", body, signed(body))
+    assert code == 202 and not doc["stopping"]
+    s = decided(svc)
+    assert s["last_decision"]["outcome"] == "quarantined" and s["job"]["state"] == JobState.RUNNING
+    assert [(e["kind"], e["id"]) for e in quarantined(run_dir)] == [("device", "GPU-aa")]
+    assert len(fake.calls) == 1
+
+
+def test_an_observe_decision_is_only_recorded(running: tuple[ManagerService, FakeLauncher], run_dir: Path) -> None:
+    svc, fake = running
+    body = contract_body(run_dir, incident(IncidentClass.STRAGGLER), action="observe")
+    assert post(svc, "/alerts", body, signed(body))[0] == 202
+    s = decided(svc)
+    assert s["last_decision"]["outcome"].startswith("observed") and s["job"]["state"] == JobState.RUNNING
+    assert not (run_dir / RECOVERY_DIR).exists() and not (run_dir / QUARANTINE_FILE).exists()
+
+
+def test_a_decision_about_a_replaced_attempt_never_stops_the_newer_one(run_dir: Path) -> None:
+    fake = FakeLauncher(("run", "run"))
+    with service(run_dir, fake) as svc:
+        assert fake.started.acquire(timeout=10)
+        body = contract_body(run_dir, incident())
+        assert post(svc, "/alerts", body, signed(body))[0] == 202
+        assert fake.started.acquire(timeout=10)  # the relaunch, attempt 1, runs
+        wait_for(lambda: status(svc)["job"] == {**status(svc)["job"], "state": "running", "attempt": 1})
+        late = contract_body(run_dir, incident(rank=0, attempt=0))  # the monitor's word on attempt 0, arriving late
+        code, doc = post(svc, "/alerts", late, signed(late))
+        assert code == 202 and not doc["stopping"]
+        assert status(svc)["job"]["state"] == JobState.RUNNING
+        fake.finish()
+        decided(svc, 2)
+        by_id = {d["id"]: d for d in svc.manager.db.summary()["decisions"]}
+        assert by_id[msg_id(body)]["outcome"] == "recovered"
+        assert by_id[msg_id(late)]["outcome"].startswith("covered: incident of attempt 0")
+        assert status(svc)["job"]["state"] == JobState.FINISHED
+    assert len(fake.calls) == 2
+
+
+# ------------------------------------------------------------------------------------------- across a restart
+
+
+def test_at_most_once_across_a_restart_on_the_same_state_file(run_dir: Path) -> None:
+    fake = FakeLauncher(("run", "ok"))
+    body = contract_body(run_dir, incident())
+    with service(run_dir, fake) as svc:
+        assert fake.started.acquire(timeout=10)
+        assert post(svc, "/alerts", body, signed(body))[0] == 202
+        assert decided(svc)["last_decision"]["outcome"] == "recovered"
+    assert (run_dir / MANAGER_DIR / STATE_FILE).is_file()
+
+    again = FakeLauncher(("ok",))
+    with service(run_dir, again, with_job=False) as svc:  # restarted: owns no attempt, reads the state file
+        code, doc = post(svc, "/alerts", body, signed(body))
+        assert code == 200 and doc["duplicate"] and doc["state"] == "done"
+        s = status(svc)
+        assert s["job"]["state"] == JobState.NONE and len(s["attempts"]) == 2
+        assert s["last_decision"]["recovery_id"] == "recovery-0001"
+    assert again.calls == [] and len(list((run_dir / RECOVERY_DIR).glob("recovery-*.json"))) == 1
+
+
+def test_a_restart_reruns_accepted_decisions_but_never_started_ones(run_dir: Path) -> None:
+    first, second = incident(rank=0), incident(rank=1)
+    b1, b2 = contract_body(run_dir, first), contract_body(run_dir, second)
+    FakeLauncher(("fail",))(job(run_dir), stop=__import__("threading").Event(), on_start=lambda p: None)
+    # a service that died: one decision started (its action may have partly run), one accepted and never started
+    from rankwatch.trainer.service import _Ledger, _State
+
+    db = _State(run_dir / MANAGER_DIR / STATE_FILE)
+    db.admit(msg_id(b1), hashlib.sha256(b1).hexdigest(), b1, parse_message(b1))
+    db.mark(msg_id(b1), _Ledger.STARTED)
+    db.admit(msg_id(b2), hashlib.sha256(b2).hexdigest(), b2, parse_message(b2))
+    db.close()
+
+    fake = FakeLauncher(("ok",))
+    with service(run_dir, fake, with_job=False) as svc:
+        s = decided(svc)
+        assert s["interrupted"] == [msg_id(b1)]
+        by_id = {d["id"]: d for d in svc.manager.db.summary()["decisions"]}
+        assert by_id[msg_id(b1)]["state"] == "interrupted"
+        assert by_id[msg_id(b2)]["state"] == "done" and by_id[msg_id(b2)]["outcome"] == "recovered"
+        # a retry of the interrupted one is a duplicate, never a second run
+        code, doc = post(svc, "/alerts", b1, signed(b1))
+        assert code == 200 and doc["state"] == "interrupted"
+    assert len(fake.calls) == 1
+    rec = json.loads((run_dir / RECOVERY_DIR / "recovery-0001.json").read_text())
+    assert rec["incidents"] == [second.id]
+
+
+# -------------------------------------------------------------------------------------------- alertmanager
+
+
+def test_alertmanager_deliveries_need_the_token_are_deduplicated_and_never_act(
+    running: tuple[ManagerService, FakeLauncher], run_dir: Path
+) -> None:
+    svc, fake = running
+    doc = json.loads(contract_body(run_dir, incident()))
+    for k in ("type", "timestamp", "rankwatch"):
+        doc.pop(k)  # what a real Alertmanager sends: v4 only
+    raw = json.dumps(doc).encode()
+    assert post(svc, "/alertmanager", raw, {})[0] == 401
+    assert post(svc, "/alertmanager", raw, {"Authorization": "Bearer wrong"})[0] == 401
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert post(svc, "/alertmanager", raw, auth) == (200, {"recorded": True, "evidence_only": True})
+    assert post(svc, "/alertmanager", raw, auth) == (200, {"duplicate": True})
+    doc["status"] = "resolved"
+    assert post(svc, "/alertmanager", json.dumps(doc).encode(), auth)[1] == {"recorded": True, "evidence_only": True}
+    assert post(svc, "/alertmanager", b"[1]", auth)[0] == 400
+    s = status(svc)
+    assert s["alertmanager"]["deliveries"] == 2 and s["alertmanager"]["last"]["status"] == "resolved"
+    assert s["refused"] == {"bad_token": 2, "malformed_body": 1}
+    lines = (run_dir / MANAGER_DIR / "alertmanager.jsonl").read_text().splitlines()
+    assert [json.loads(x)["status"] for x in lines] == ["firing", "resolved"]
+    # evidence only: the job runs on, nothing recovered or quarantined, no decision recorded
+    assert s["job"]["state"] == JobState.RUNNING and len(fake.calls) == 1 and s["last_decision"] is None
+    assert not (run_dir / RECOVERY_DIR).exists()
+
+
+# --------------------------------------------------------------------------------------------------- parsing
+
+
+def test_parse_message_names_what_is_missing(run_dir: Path) -> None:
+    body = json.loads(contract_body(run_dir, incident()))
+    m = parse_message(json.dumps(body).encode())
+    assert m.stops_job and m.decision is not None and str(m.decision.action) == "restart_job"
+    del body["rankwatch"]["decision"]["action"]
+    with pytest.raises(ValueError, match=r"missing key 'rankwatch.decision.action'"):
+        parse_message(json.dumps(body).encode())
+    with pytest.raises(ValueError, match="key 'type'"):
+        parse_message(contract_body(run_dir, incident(), type_="incident.exploded"))
+    with pytest.raises(ValueError, match="not UTF-8"):
+        parse_message(b"\xff\xfe")
+
+
+def test_read_secret_says_what_is_wrong(tmp_path: Path) -> None:
+    f = tmp_path / "secret"
+    f.write_text(SECRET + "\n")
+    assert read_secret(f) == SECRET
+    f.write_text("whsec_" + base64.b64encode(b"short").decode())
+    with pytest.raises(ValueError, match="at least 24"):
+        read_secret(f)
+    f.write_text("hunter2")
+    with pytest.raises(ValueError, match="not a webhook secret"):
+        read_secret(f)
