@@ -305,13 +305,16 @@ def plan_from_message(run_dir: Path, cfg: CanaryConfig, message: AlertMessage) -
 def plan_live(run_dir: Path, cfg: CanaryConfig, message: AlertMessage) -> RecoveryPlan:
     """After the attempt ended: `assess` the run (post-hoc analysis, new incidents only). When that reading did not
     raise the message's incident (the live window saw the fault before the telemetry showed it to the post-hoc
-    reading, or the stop cut it short) and no recovery has handled it yet and it belongs to the latest attempt, it
-    is decided too, so a job the service stopped is not left stopped for want of a second sighting."""
+    reading, or the stop cut it short) — no incident of its class about its subject — and no recovery has handled
+    it yet and it belongs to the latest attempt, it is decided too, so a job the service stopped is not left stopped
+    for want of a second sighting. (The live and the post-hoc readings may give one fault different ids: their
+    onset steps can differ.)"""
     run_dir = Path(run_dir)
     plan = assess(run_dir, layout=cfg.layout)
     inc = message.incident
     latest = len(read_launches(run_dir)) - 1
-    if (inc.id in {d.incident.id for d in plan.decided} or inc.id in plan.skipped or inc.id in _handled(run_dir)
+    seen = {(d.incident.klass, d.incident.subject) for d in plan.decided}
+    if ((inc.klass, inc.subject) in seen or inc.id in plan.skipped or inc.id in _handled(run_dir)
             or (inc.attempt is not None and inc.attempt < latest)):
         return plan
     joined = plan_recovery([*(d.incident for d in plan.decided), inc], job=canary_declaration(cfg.layout),
