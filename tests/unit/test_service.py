@@ -407,3 +407,26 @@ def test_read_secret_says_what_is_wrong(tmp_path: Path) -> None:
     f.write_text("hunter2")
     with pytest.raises(ValueError, match="not a webhook secret"):
         read_secret(f)
+
+
+def test_the_alerts_senders_messages_are_understood_and_acted_on(
+    running: tuple[ManagerService, FakeLauncher], run_dir: Path
+) -> None:
+    """The other side of the wire contract: analytics.alerts builds and signs, this service verifies and acts."""
+    from rankwatch.analytics.alerts import Signer, decision_fields, decision_message, incident_message
+    from rankwatch.analytics.recovery import CheckpointCatalogView, Idempotency, MembershipSupport, decide
+
+    svc, fake = running
+    inc = incident()
+    signer = Signer(SECRET)
+    fired = incident_message(run_dir, inc, "firing")
+    code, _ = post(svc, "/alerts", fired.body, signer.headers(fired.id, fired.body, timestamp=int(time.time())))
+    assert code == 200 and [i["id"] for i in status(svc)["open_incidents"]] == [inc.id]
+    dec = decide(inc, None, idempotent=Idempotency.NOT_IDEMPOTENT, membership=MembershipSupport.FIXED_SHAPES,
+                 catalog=CheckpointCatalogView(committed=()))
+    msg = decision_message(run_dir, decision_fields(dec, run_dir=run_dir, incidents=[inc]), [inc])
+    code, doc = post(svc, "/alerts", msg.body, signer.headers(msg.id, msg.body, timestamp=int(time.time())))
+    assert code == 202 and doc["stopping"]
+    s = decided(svc)
+    assert s["last_decision"]["outcome"] == "recovered" and s["last_decision"]["decision_id"] == msg.decision
+    assert len(fake.calls) == 2
