@@ -156,7 +156,7 @@ def decision_id(run: str, incident_ids: Iterable[str]) -> str:
     ids = sorted(set(incident_ids))
     if not ids:
         raise ValueError("decision id: a decision names at least one incident")
-    return "dec_" + _hex(run, *ids, n=16)
+    return "dec_" + _hex("decision", run, *ids, n=16)
 
 
 def _rfc3339(t: float) -> str:

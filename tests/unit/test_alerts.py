@@ -553,6 +553,18 @@ def test_runs_are_ordered_apart_and_given_up_messages_unblock_their_run(tmp_path
     raising.close()
 
 
+def test_one_attempt_per_head_per_pass_even_when_retry_after_is_zero(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "o.sqlite")
+    msgs = _messages(tmp_path, 2)
+    for m in msgs:
+        box.enqueue(m, now=T0)
+    transport = MemoryTransport(default=Reply(status=503, retry_after_s=0.0))
+    out = box.deliver_due(signed_send(transport, Signer(SPEC_SECRET)), now=T0)
+    assert [(r.id, r.outcome, r.retry_in_s) for r in out] == [(msgs[0].id, Outcome.RETRY, 0.0)]
+    assert len(transport.requests) == 1 and box.next_due() == T0
+    box.close()
+
+
 def test_retry_after_forms_and_backoff_caps() -> None:
     assert _retry_after("12", T0) == 12.0
     assert _retry_after(None, T0) is None and _retry_after("soon", T0) is None
@@ -613,3 +625,13 @@ def test_decision_fields_are_dataclass_checked() -> None:
     with pytest.raises(ValueError, match="dec_"):
         DecisionFields(id="x", incidents=("a",), action=Action.OBSERVE, scope="none", target=None, checkpoint=None,
                        path=(), reasons=())
+
+
+def test_the_documented_example_body_has_the_contract_shape() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "alerts.md").read_text()
+    body = doc.split("```json\n", 1)[1].split("\n```", 1)[0]
+    example = _strict(body.encode())
+    _check_alertmanager_shape(example)
+    assert example["type"] == "decision" and set(example["rankwatch"]["decision"]) == {
+        "id", "action", "scope", "target", "checkpoint", "path", "reasons", "quarantines"}
+    assert Incident.from_dict(example["rankwatch"]["incident_doc"]).id == example["rankwatch"]["incident"]
