@@ -18,9 +18,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rankwatch.collector.collector import Collector, CollectorConfig
 from rankwatch.collector.collectives import GroupInfo
-from rankwatch.collector.gpu import ReplaySampler, open_sampler
+from rankwatch.collector.gpu import ReplaySampler, open_sampler, replay_uuid
 from rankwatch.collector.null import NullCollector
 from rankwatch.trainer.checkpoint import CheckpointConfig, CheckpointFault, current_versions, save_checkpoint
 from rankwatch.trainer.determinism import DDP_BUCKET_CAP_MB, DeterminismInputs, pin_ddp_buckets
@@ -107,8 +107,11 @@ class CanaryConfig:
     """Resume from the newest usable checkpoint in `run_dir` (`trainer.resume`): load it, pass the consistency
     gate, and train from its step + 1 to `steps`."""
     device_shift: int = 0
-    """Place local rank l on device slot (l + device_shift) mod ranks-per-host: a restart that lands ranks on other
+    """Place local rank l on device slot (l + device_shift) mod slots-per-host: a restart that lands ranks on other
     GPUs of their host (replay device UUIDs follow the slot, so cross-run localization can tell device from rank)."""
+    slots_per_host: int = 0
+    """Device slots of each virtual host; 0: one per rank of the host. More slots than ranks leave spare devices a
+    relaunch can move ranks to, off a quarantined one (`place_off`)."""
     resume_from: str | None = None
     """With `resume`: this checkpoint ('step-XXXXXXXX') instead of the newest usable one (a rollback to before an
     incident's onset); it must be committed, verified and loadable, or the resume fails naming why."""
@@ -130,12 +133,60 @@ class CanaryConfig:
             raise ValueError(
                 f"global batch {self.global_batch} must be divisible by dp*microbatches={self.layout.dp * self.microbatches}"
             )
-        Hosts(count=self.hosts, world_size=self.layout.world_size)
+        per_host = Hosts(count=self.hosts, world_size=self.layout.world_size).per_host
+        if self.slots_per_host and self.slots_per_host < per_host:
+            raise ValueError(f"slots per host {self.slots_per_host}: fewer than the {per_host} ranks of each host")
         self.faults.validate(world_size=self.layout.world_size, hosts=self.hosts)
 
     @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+
+def slot_of(cfg: CanaryConfig, rank: int) -> int:
+    """The device slot (GPU index) of `rank` on its virtual host."""
+    hosts = Hosts(count=cfg.hosts, world_size=cfg.world_size)
+    return (hosts.local_rank(rank) + cfg.device_shift) % (cfg.slots_per_host or hosts.per_host)
+
+
+def placement(cfg: CanaryConfig) -> dict[int, tuple[str, int, str]]:
+    """rank -> (virtual host, device slot, that device's UUID in the virtual topology: the replay sampler's)."""
+    hosts = Hosts(count=cfg.hosts, world_size=cfg.world_size)
+    out = {}
+    for rank in range(cfg.world_size):
+        host, slot = hosts.host_of(rank), slot_of(cfg, rank)
+        out[rank] = (host, slot, replay_uuid(host, slot))
+    return out
+
+
+def place_off(cfg: CanaryConfig, *, devices: Collection[str] = (), hosts: Collection[str] = ()
+              ) -> tuple[CanaryConfig, tuple[str, ...]]:
+    """`cfg` placed so that no rank is on a quarantined device (UUID) or host of the virtual topology, and one line
+    per rank that moved ('rank 1: host0 slot 1 GPU-... -> slot 2 GPU-...'); `cfg` itself when nothing it uses is
+    quarantined. The canary moves ranks by one `device_shift` for every host, the nearest one from the current that
+    is clear. ValueError naming what is left when nothing is: a quarantined host (every host holds ranks, and the
+    canary has no spare host), or no shift clear of the quarantined devices (spares come from `slots_per_host`)."""
+    devices, hosts = set(devices), set(hosts)
+    now = placement(cfg)
+    used_hosts = sorted({h for h, _, _ in now.values()} & hosts)
+    if used_hosts:
+        raise ValueError(f"host(s) {', '.join(used_hosts)} quarantined, and every virtual host holds ranks (no spare "
+                         "host): refusing to place the job")
+    if not {u for _, _, u in now.values()} & devices:
+        return cfg, ()
+    n_slots = cfg.slots_per_host or Hosts(count=cfg.hosts, world_size=cfg.world_size).per_host
+    for k in range(1, n_slots):
+        moved = replace(cfg, device_shift=(cfg.device_shift + k) % n_slots)
+        there = placement(moved)
+        if not {u for _, _, u in there.values()} & devices:
+            lines = tuple(f"rank {r}: {h} slot {s} {u} -> slot {there[r][1]} {there[r][2]}"
+                          for r, (h, s, u) in now.items() if there[r][1] != s)
+            return moved, lines
+    names = Hosts(count=cfg.hosts, world_size=cfg.world_size).names
+    bad = sorted(devices & {replay_uuid(h, s) for h in names for s in range(n_slots)})
+    raise ValueError(f"every placement of {cfg.world_size} rank(s) on {n_slots} slot(s) per host touches a quarantined "
+                     f"device ({', '.join(bad)}): nothing is left; refusing to place the job (more slots_per_host "
+                     "give it spares)")
 
 
 def determinism_inputs(cfg: CanaryConfig) -> DeterminismInputs:
@@ -265,7 +316,7 @@ class _Rank:
         self.hosts = Hosts(count=cfg.hosts, world_size=cfg.world_size)
         self.host = self.hosts.host_of(rank)
         self.local_rank = self.hosts.local_rank(rank)
-        self.slot = (self.local_rank + cfg.device_shift) % self.hosts.per_host
+        self.slot = slot_of(cfg, rank)
         """This rank's device slot on its host (its GPU index)."""
         self.dp, self.tp, self.pp = self.layout.coords(rank)
         self.cuda = torch.cuda.is_available() and cfg.backend != "gloo"

@@ -62,18 +62,22 @@ from pathlib import Path
 from typing import Any
 
 from rankwatch.analytics.incidents import Incident, IncidentClass
-from rankwatch.analytics.recovery import Action
-from rankwatch.trainer.canary import CanaryConfig
+from rankwatch.analytics.recovery import Action, TargetKind
+from rankwatch.collector.schema import ChangeReason, LineageKind
+from rankwatch.trainer.canary import CanaryConfig, place_off, placement
 from rankwatch.trainer.launch import LaunchResult, launch
+from rankwatch.trainer.lineage import Details, Lineage, NewEntry, lineage_path
+from rankwatch.trainer.lineage import Verdict as LineageVerdict
 from rankwatch.trainer.manager import (
     RECOVERY_DIR, RecoveryPlan, apply, assess, canary_declaration, catalog_view, config_from_run, plan_recovery,
+    quarantined,
 )
 from rankwatch.trainer.runfile import read_launches
 
 __all__ = [
     "DEFAULT_MAX_BODY", "MANAGER_DIR", "STATE_FILE", "TOLERANCE_S", "AlertMessage", "DecisionNote", "FakeLauncher",
-    "JobState", "Launcher", "Manager", "ManagerService", "MessageType", "Planner", "Refusal", "parse_message",
-    "plan_from_message", "plan_live", "read_secret", "serve",
+    "JobState", "Launcher", "Manager", "ManagerService", "MessageType", "PlacementRefused", "Planner", "Refusal",
+    "parse_message", "plan_from_message", "plan_live", "read_secret", "serve",
 ]
 
 log = logging.getLogger("rankwatch.manager")
@@ -465,6 +469,10 @@ class _Attempt:
     result: LaunchResult | None = None
 
 
+class PlacementRefused(RuntimeError):
+    """No placement of the job avoids the quarantine list; nothing was launched."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Reply:
     status: int
@@ -639,6 +647,7 @@ class Manager:
     def _run_attempt(self, cfg: CanaryConfig, **kw: Any) -> LaunchResult:
         """One attempt through the launcher, with a stop event the request handler can set (also the launcher
         `apply` relaunches with)."""
+        cfg = self._placed(cfg)
         attempt = _Attempt()
         with self._lock:
             if self._closing:
@@ -669,6 +678,36 @@ class Manager:
         attempt.done.set()
         log.info("attempt %s ended: %s, exit codes %s", attempt.number, self._state, list(result.exit_codes))
         return result
+
+    def _placed(self, cfg: CanaryConfig) -> CanaryConfig:
+        """`cfg` off every quarantined device and host of the virtual topology (`canary.place_off`), each vacated
+        quarantined device recorded in lineage as replaced (CHANGED: hardware). PlacementRefused when nothing is
+        left: the attempt is not launched."""
+        entries = quarantined(self.run_dir)
+        devices = {str(e["id"]) for e in entries if e.get("kind") == str(TargetKind.DEVICE)}
+        hosts = {str(e["id"]) for e in entries if e.get("kind") == str(TargetKind.HOST)}
+        if not devices and not hosts:
+            return cfg
+        try:
+            placed, moves = place_off(cfg, devices=devices, hosts=hosts)
+        except ValueError as exc:
+            with self._lock:
+                self._state = JobState.FAILED
+            log.error("placement refused: %s", exc)
+            raise PlacementRefused(f"placement refused: {exc}") from None
+        if not moves:
+            return cfg
+        for line in moves:
+            log.info("placement off the quarantine list: %s", line)
+        before, after = placement(cfg), placement(placed)
+        book = Lineage(lineage_path(self.run_dir))
+        for rank, (_, _, uuid) in before.items():
+            if uuid in devices:
+                book.append(NewEntry(kind=LineageKind.DEVICE_REPLACED, verdict=LineageVerdict.changed(
+                    ChangeReason.HARDWARE, note="another physical device; bitwise identity is not assumed"),
+                    details=Details(old_device=uuid, new_device=after[rank][2],
+                                    text=f"rank {rank} placed off quarantined {uuid}: " + "; ".join(moves))))
+        return placed
 
     # ----------------------------------------------------------------------------------------------- worker
 

@@ -430,3 +430,59 @@ def test_the_alerts_senders_messages_are_understood_and_acted_on(
     s = decided(svc)
     assert s["last_decision"]["outcome"] == "recovered" and s["last_decision"]["decision_id"] == msg.decision
     assert len(fake.calls) == 2
+
+
+# ---------------------------------------------------------------------------------- placement off the quarantine
+
+
+def test_place_off_moves_every_host_by_one_shift_or_refuses_when_nothing_is_left(tmp_path: Path) -> None:
+    from rankwatch.collector.gpu import replay_uuid
+    from rankwatch.trainer.canary import place_off, placement
+
+    cfg = CanaryConfig(run_dir=tmp_path, steps=5, layout=Layout(dp=4), hosts=2, slots_per_host=3, gpu="off")
+    assert [s for _, s, _ in placement(cfg).values()] == [0, 1, 0, 1]
+    assert place_off(cfg, devices={replay_uuid("host0", 2)}) == (cfg, ())  # a spare nobody uses
+    bad = replay_uuid("host1", 1)
+    moved, lines = place_off(cfg, devices={bad})
+    # shift 1 puts ranks on slots 1, 2 (still host1 slot 1); shift 2 on slots 2, 0: clear on both hosts
+    assert moved.device_shift == 2 and [s for _, s, _ in placement(moved).values()] == [2, 0, 2, 0]
+    assert bad not in {u for _, _, u in placement(moved).values()}
+    assert lines[0] == f"rank 0: host0 slot 0 {replay_uuid('host0', 0)} -> slot 2 {replay_uuid('host0', 2)}"
+    with pytest.raises(ValueError, match="nothing is left"):
+        place_off(cfg, devices={bad, replay_uuid("host0", 2), replay_uuid("host1", 0)})
+    with pytest.raises(ValueError, match=r"nothing is left.*slots_per_host"):
+        place_off(CanaryConfig(run_dir=tmp_path, steps=5, layout=Layout(dp=2), gpu="off"),
+                  devices={replay_uuid("host0", 0)})
+    with pytest.raises(ValueError, match="host1 quarantined.*no spare host"):
+        place_off(cfg, hosts={"host1"})
+    with pytest.raises(ValueError, match="fewer than the 2 ranks"):
+        CanaryConfig(run_dir=tmp_path, steps=5, layout=Layout(dp=4), hosts=2, slots_per_host=1)
+
+
+@pytest.mark.parametrize("slots", [3, 0])
+def test_a_relaunch_never_lands_on_a_quarantined_device(run_dir: Path, slots: int) -> None:
+    from dataclasses import replace
+
+    from rankwatch.collector.gpu import replay_uuid
+    from rankwatch.trainer.canary import placement
+
+    cfg = replace(job(run_dir), slots_per_host=slots)
+    fake = FakeLauncher(("run", "ok"))
+    bad = replay_uuid("host0", 1)  # rank 1's device
+    with ManagerService(run_dir, secret=SECRET, job=cfg, launcher=fake, planner=plan_from_message) as svc:
+        assert fake.started.acquire(timeout=10)
+        q = contract_body(run_dir, incident(IncidentClass.STRAGGLER, device=bad), action="quarantine")
+        assert post(svc, "/alerts", q, signed(q))[0] == 202
+        assert decided(svc)["last_decision"]["outcome"] == "quarantined"
+        body = contract_body(run_dir, incident())
+        assert post(svc, "/alerts", body, signed(body))[0] == 202
+        s = decided(svc, 2)
+    if slots:
+        assert s["last_decision"]["outcome"] == "recovered"
+        again = fake.calls[1]
+        assert bad not in {u for _, _, u in placement(again).values()} and again.device_shift == 2
+        kinds = [(str(e.kind), e.details.old_device, e.details.new_device) for e in read(lineage_path(run_dir))]
+        assert ("device_replaced", bad, replay_uuid("host0", 0)) in kinds
+    else:  # two ranks on a two-slot host: nowhere else to go
+        assert s["last_decision"]["state"] == "failed" and "nothing is left" in s["last_decision"]["outcome"]
+        assert s["job"]["state"] == JobState.FAILED and len(fake.calls) == 1
