@@ -404,14 +404,28 @@ class TrackerConfig:
     the window moved past)."""
     stop_resolve_after: int | None = None
     """Fail-stop and hang (not a transient stall): resolved after this many absent updates; None = only when the
-    caller says it was recovered (`recovered=`: the manager's recovery record names it) or the run ended
-    (`finish`). A rank that stopped does not come back by itself, and its incident leaving a monitor's window says
-    only that the window moved on."""
+    job was relaunched (`attempt=` newer than the incident's), a recovery dealt with it (`recovered=`), or the run
+    ended (`finish`). A rank that stopped does not come back by itself, and its incident leaving a monitor's window
+    says only that the window moved on."""
 
     def __post_init__(self) -> None:
         if self.resolve_after < 1 or (self.stop_resolve_after is not None and self.stop_resolve_after < 1):
             raise ValueError(f"TrackerConfig: resolve_after {self.resolve_after} and stop_resolve_after "
                              f"{self.stop_resolve_after} must be >= 1")
+
+
+_Key = tuple[IncidentClass, SubjectKind, str, tuple[int, ...], int | None]
+
+
+def _key(incident: Incident) -> _Key:
+    """What stays the same while one fault goes on: an incident's id also hashes its onset step, which a sliding
+    window moves (a straggler seen in steps 80-99 and again in 100-119 has two ids), and two sources (the part-file
+    detectors, the liveness channel) may raise one fail-stop under two ids."""
+    return (incident.klass, incident.subject.kind, incident.subject.id, incident.ranks, incident.attempt)
+
+
+def _stops(incident: Incident) -> bool:
+    return incident.klass in _STOPPED and incident.cause is not Cause.TRANSIENT_STALL
 
 
 @dataclass(slots=True)
@@ -424,9 +438,14 @@ class _Open:
 
 class AlertTracker:
     """Which messages a monitor sends, one call per tick. Pure: it builds messages and holds what it has said; the
-    caller enqueues them (an `AlertSender`). An incident id that was resolved is not raised again (the same id
-    would be the same message). Built afresh after a monitor restart, it rebuilds the same messages (same ids),
-    which the outbox stores once."""
+    caller enqueues them (an `AlertSender`).
+
+    One alert per fault, not per incident id: an incident with the class, subject, ranks and attempt of an open
+    alert is that alert still going on (its id moved with the window's onset), and sends nothing. The alert's
+    messages keep the id of the incident that raised it. A resolved incident id is not raised again, nor a
+    fail-stop or hang of a resolved alert, or of an attempt older than the newest one seen. Built afresh after a
+    monitor restart, it rebuilds the same messages (same ids) for what is still in the window, which the outbox
+    stores once."""
 
     def __init__(self, run_dir: Path | str, config: TrackerConfig = TrackerConfig(), *,
                  evidence_path: Callable[[Incident], Path | str | None] | None = None) -> None:
@@ -434,37 +453,67 @@ class AlertTracker:
         self.config = config
         self._evidence = evidence_path or (lambda _: None)
         self._open: dict[str, _Open] = {}
+        self._keys: dict[_Key, str] = {}
+        """Open alerts by key."""
         self._resolved: set[str] = set()
+        self._resolved_stops: set[_Key] = set()
         self._decided: set[str] = set()
-        self._decided_incidents: set[str] = set()
+        self._decided_keys: set[_Key] = set()
+        self._attempt: int | None = None
 
     @property
     def open(self) -> tuple[Incident, ...]:
+        """The incidents whose alerts fire (each as first raised)."""
         return sort_incidents(o.incident for o in self._open.values())
 
+    def _open_for(self, incident: Incident) -> str | None:
+        if incident.id in self._open:
+            return incident.id
+        return self._keys.get(_key(incident))
+
     def undecided(self, incidents: Iterable[Incident]) -> tuple[Incident, ...]:
-        """Those of `incidents` no decision sent so far named, resolved ones left out: what the caller plans for."""
+        """Those of `incidents` whose fault no decision sent so far covers, and that would fire (not resolved): what
+        the caller plans for."""
         return sort_incidents(i for i in incidents
-                              if i.id not in self._decided_incidents and i.id not in self._resolved)
+                              if _key(i) not in self._decided_keys and not self._silenced(i))
+
+    def _silenced(self, incident: Incident) -> bool:
+        if incident.id in self._resolved:
+            return True
+        if not _stops(incident):
+            return False
+        old = incident.attempt is not None and self._attempt is not None and incident.attempt < self._attempt
+        return old or _key(incident) in self._resolved_stops
 
     def update(self, incidents: Iterable[Incident], decisions: Iterable[DecisionFields] = (), *,
-               recovered: Iterable[str] = (), placement: Mapping[int, RankPlacement] | None = None,
-               now: float | None = None) -> list[Message]:
-        """The messages for this tick, in the order to send them: the new incidents firing (most consequential
-        first), then each decision not sent before, then the resolutions. `incidents`: the latest analysis;
-        `recovered`: incident ids a recovery has dealt with (resolved now, present or not)."""
+               recovered: Iterable[str | Incident] = (), attempt: int | None = None,
+               placement: Mapping[int, RankPlacement] | None = None, now: float | None = None) -> list[Message]:
+        """The messages for this tick, in the order to send them: the new alerts firing (most consequential first),
+        then each decision not sent before, then the resolutions.
+
+        `incidents`: the latest analysis (and liveness view). `decisions`: what the caller decided this tick (for
+        `undecided(incidents)`); each names incident ids of this tick or of open alerts. `recovered`: incidents (or
+        ids) a recovery dealt with, e.g. those of the manager's recovery records; their alerts resolve now, present
+        or not. `attempt`: the run's newest attempt (the topology's max attempt); a fail-stop or hang of an older
+        attempt resolves (the job was relaunched past it)."""
         now = time.time() if now is None else now
         place = placement or {}
+        if attempt is not None:
+            self._attempt = attempt if self._attempt is None else max(self._attempt, attempt)
         current = {i.id: i for i in incidents}
+        seen: set[str] = set()
         out: list[Message] = []
         for inc in sort_incidents(current.values()):
-            if inc.id in self._resolved:
+            if self._silenced(inc):
                 continue
-            if inc.id in self._open:
-                self._open[inc.id].absent = 0
+            held = self._open_for(inc)
+            if held is not None:
+                seen.add(held)
                 continue
             o = _Open(incident=inc, starts_at=_starts(inc, now, None))
             self._open[inc.id] = o
+            self._keys[_key(inc)] = inc.id
+            seen.add(inc.id)
             out.append(incident_message(self.run_dir, inc, AlertStatus.FIRING, evidence_path=self._evidence(inc),
                                         placement=place, now=now, starts_at=o.starts_at))
         for d in decisions:
@@ -475,38 +524,52 @@ class AlertTracker:
             if missing:
                 raise ValueError(f"decision {d.id}: incidents {missing} were never reported to the tracker")
             chosen = [known[i] for i in d.incidents]
+            starts = {i.id: self._open[h].starts_at for i in chosen if (h := self._open_for(i)) is not None}
             out.append(decision_message(self.run_dir, d, chosen, evidence_path=self._evidence(chosen[0]),
-                                        placement=place, now=now,
-                                        starts_at={k: o.starts_at for k, o in self._open.items()}))
+                                        placement=place, now=now, starts_at=starts))
             self._decided.add(d.id)
-            self._decided_incidents.update(d.incidents)
-            for i in d.incidents:
-                if i in self._open:
-                    self._open[i].decision = d.line()
-        done = set(recovered)
+            for i in chosen:
+                self._decided_keys.add(_key(i))
+                if (h := self._open_for(i)) is not None:
+                    self._open[h].decision = d.line()
+        done_ids, done_keys = set(), set()
+        for r in recovered:
+            if isinstance(r, str):
+                done_ids.add(r)
+            else:
+                done_ids.add(r.id)
+                done_keys.add(_key(r))
         for iid, o in list(self._open.items()):
-            if iid in done:
+            inc = o.incident
+            if iid in done_ids or _key(inc) in done_keys:
                 out.append(self._resolve(iid, place, now, "a recovery dealt with it"))
                 continue
-            if iid in current:
+            if _stops(inc) and inc.attempt is not None and self._attempt is not None and inc.attempt < self._attempt:
+                out.append(self._resolve(iid, place, now, f"the job was relaunched (attempt {self._attempt})"))
+                continue
+            if iid in seen:
+                o.absent = 0
                 continue
             o.absent += 1
-            stopped = o.incident.klass in _STOPPED and o.incident.cause is not Cause.TRANSIENT_STALL
-            after = self.config.stop_resolve_after if stopped else self.config.resolve_after
+            after = self.config.stop_resolve_after if _stops(inc) else self.config.resolve_after
             if after is not None and o.absent >= after:
                 out.append(self._resolve(iid, place, now, f"absent from {o.absent} consecutive analyses"))
         return out
 
     def finish(self, *, now: float | None = None, why: str = "the run ended",
                placement: Mapping[int, RankPlacement] | None = None) -> list[Message]:
-        """Resolve every open incident (the run is over, or the monitor stops watching it for good)."""
+        """Resolve every open alert (the run is over, or the monitor stops watching it for good)."""
         now = time.time() if now is None else now
         return [self._resolve(iid, placement or {}, now, why) for iid in
                 [i.id for i in sort_incidents(o.incident for o in self._open.values())]]
 
     def _resolve(self, iid: str, placement: Mapping[int, RankPlacement], now: float, why: str) -> Message:
         o = self._open.pop(iid)
+        key = _key(o.incident)
+        self._keys.pop(key, None)
         self._resolved.add(iid)
+        if _stops(o.incident):
+            self._resolved_stops.add(key)
         return incident_message(self.run_dir, o.incident, AlertStatus.RESOLVED, decision=o.decision or None,
                                 evidence_path=self._evidence(o.incident), placement=placement, now=now,
                                 starts_at=o.starts_at, resolution=why)

@@ -15,7 +15,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -337,6 +337,46 @@ def test_tracker_finish_and_stop_resolve_after(tmp_path: Path) -> None:
     assert [m.incident for m in ended] == [hang.id, div.id]
     assert all(m.doc()["rankwatch"]["evidence"]["resolution"] == "the run ended" for m in ended)
     assert t2.open == () and t2.finish() == []
+
+
+def test_one_alert_per_fault_while_the_window_moves_its_onset(tmp_path: Path) -> None:
+    t = AlertTracker(tmp_path / RUN, TrackerConfig(resolve_after=2))
+    windows = [_inc(IncidentClass.STRAGGLER, (2,), Cause.SLOW_LINK, onset=onset) for onset in (40, 60, 80)]
+    assert len({w.id for w in windows}) == 3  # the id hashes the onset, which the window moves
+    fired = t.update([windows[0]], now=T0)
+    assert [m.type for m in fired] == [MessageType.FIRING]
+    d = plan_fields(run_dir=tmp_path / RUN, incidents=[windows[1]], action=Action.OBSERVE, scope="none")
+    assert [i.id for i in t.undecided([windows[1]])] == [windows[1].id]
+    out = t.update([windows[1]], [d], now=T0 + 1)
+    assert [m.type for m in out] == [MessageType.DECISION]
+    assert t.undecided([windows[2]]) == ()  # the fault is decided, whatever id the window gives it now
+    assert t.update([windows[2]], now=T0 + 2) == []
+    assert t.update([], now=T0 + 3) == []
+    out = t.update([], now=T0 + 4)
+    assert [(m.type, m.incident) for m in out] == [(MessageType.RESOLVED, windows[0].id)]
+    assert out[0].doc()["alerts"][0]["annotations"]["decision"] == d.line()
+    later = _inc(IncidentClass.STRAGGLER, (2,), Cause.SLOW_LINK, onset=200)  # a new episode after it resolved
+    assert [m.type for m in t.update([later], now=T0 + 5)] == [MessageType.FIRING]
+
+
+def test_a_relaunch_resolves_the_old_attempts_fail_stop_and_it_is_not_raised_again(tmp_path: Path) -> None:
+    t = AlertTracker(tmp_path / RUN)
+    from_parts = replace(_inc(onset=118), attempt=0)
+    from_liveness = replace(_inc(onset=119), attempt=0)  # the same death seen by another source, another id
+    assert from_parts.id != from_liveness.id
+    fired = t.update([from_parts, from_liveness], attempt=0, now=T0)
+    assert [m.type for m in fired] == [MessageType.FIRING]
+    assert t.update([from_parts], attempt=0, now=T0 + 1) == []
+    out = t.update([from_liveness], attempt=1, now=T0 + 2)  # the manager relaunched; the window still shows it
+    assert [(m.type, m.incident) for m in out] == [(MessageType.RESOLVED, fired[0].incident)]
+    assert "relaunched (attempt 1)" in out[0].doc()["rankwatch"]["evidence"]["resolution"]
+    assert t.update([from_parts, from_liveness], now=T0 + 3) == [] and t.undecided([from_parts]) == ()
+    again = replace(_inc(onset=300), attempt=1)  # rank 3 dies again in the new attempt: a new alert
+    assert [m.type for m in t.update([again], now=T0 + 4)] == [MessageType.FIRING]
+    # a recovery record naming the incident under its post-hoc id resolves it by what it is about
+    post_hoc = replace(_inc(onset=290), attempt=1)
+    out = t.update([again], recovered=[post_hoc], now=T0 + 5)
+    assert [(m.type, m.incident) for m in out] == [(MessageType.RESOLVED, again.id)]
 
 
 def test_a_restarted_monitor_rebuilds_the_same_messages_and_the_outbox_stores_them_once(tmp_path: Path) -> None:
