@@ -556,6 +556,42 @@ class AlertTracker:
                 out.append(self._resolve(iid, place, now, f"absent from {o.absent} consecutive analyses"))
         return out
 
+    def resume(self, messages: Iterable[Message]) -> int:
+        """Take back what an earlier monitor of this run said, from its messages in the order they were made (an
+        outbox's `entries()`, whatever their delivery state): its open alerts, decisions and resolutions, so a
+        restarted monitor neither raises a fault again under the newer id the window gave it nor decides it again.
+        Returns how many messages of this run were read."""
+        run, n = self.run_dir.name, 0
+        for m in messages:
+            if m.run != run:
+                continue
+            n += 1
+            doc = m.doc()
+            rw = doc["rankwatch"]
+            inc = Incident.from_dict(rw["incident_doc"])
+            if m.type is MessageType.FIRING and not self._silenced(inc) and self._open_for(inc) is None:
+                starts = datetime.strptime(doc["alerts"][0]["startsAt"], "%Y-%m-%dT%H:%M:%S.%fZ")
+                self._open[inc.id] = _Open(incident=inc, starts_at=starts.replace(tzinfo=timezone.utc).timestamp())
+                self._keys[_key(inc)] = inc.id
+            elif m.type is MessageType.DECISION and m.decision is not None:
+                self._decided.add(m.decision)
+                line = doc["alerts"][0]["annotations"]["decision"]
+                self._decided_keys.add(_key(inc))
+                for iid in rw["evidence"].get("incidents", [inc.id]):
+                    if iid in self._open:
+                        self._open[iid].decision = line
+                        self._decided_keys.add(_key(self._open[iid].incident))
+                if (h := self._open_for(inc)) is not None:
+                    self._open[h].decision = line
+            elif m.type is MessageType.RESOLVED:
+                if (h := self._open_for(inc)) is not None:
+                    self._resolve(h, {}, 0.0, "")
+                else:
+                    self._resolved.add(inc.id)
+                    if _stops(inc):
+                        self._resolved_stops.add(_key(inc))
+        return n
+
     def finish(self, *, now: float | None = None, why: str = "the run ended",
                placement: Mapping[int, RankPlacement] | None = None) -> list[Message]:
         """Resolve every open alert (the run is over, or the monitor stops watching it for good)."""

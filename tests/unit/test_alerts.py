@@ -379,6 +379,30 @@ def test_a_relaunch_resolves_the_old_attempts_fail_stop_and_it_is_not_raised_aga
     assert [(m.type, m.incident) for m in out] == [(MessageType.RESOLVED, again.id)]
 
 
+def test_a_restarted_monitor_resumes_its_alerts_from_the_outbox(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "o.sqlite")
+    strag = [_inc(IncidentClass.STRAGGLER, (2,), Cause.SLOW_LINK, onset=o) for o in (40, 60)]
+    fail, div = _inc(), _inc(IncidentClass.DIVERGENCE, (1,), Cause.RNG_MISMATCH)
+    first = AlertTracker(tmp_path / RUN, TrackerConfig(resolve_after=1))
+    d = plan_fields(run_dir=tmp_path / RUN, incidents=[fail], action=Action.RESTART_JOB, checkpoint="step-100")
+    said = first.update([strag[0], fail, div], [d], now=T0) + first.update([strag[0], fail], now=T0 + 1)
+    assert [m.type for m in said][-1] is MessageType.RESOLVED  # the divergence left the window
+    for m in said:
+        box.enqueue(m)
+    other = AlertTracker(tmp_path / "run-18").update([fail], now=T0)
+    box.enqueue(other[0])
+    again = AlertTracker(tmp_path / RUN, TrackerConfig(resolve_after=1))
+    assert again.resume(e.message for e in box.entries()) == len(said)
+    assert [i.id for i in again.open] == [fail.id, strag[0].id]
+    assert again.undecided([fail, strag[1], div]) == (strag[1],)
+    assert again.update([strag[1], fail, div], now=T0 + 2) == []  # nothing raised again under a newer id
+    out = again.update([fail], recovered=[fail.id], now=T0 + 3)
+    assert [(m.type, m.incident) for m in out] == [(MessageType.RESOLVED, fail.id), (MessageType.RESOLVED, strag[0].id)]
+    assert out[0].doc()["alerts"][0]["annotations"]["decision"] == d.line()
+    assert out[0].doc()["alerts"][0]["startsAt"] == said[0].doc()["alerts"][0]["startsAt"]
+    box.close()
+
+
 def test_a_restarted_monitor_rebuilds_the_same_messages_and_the_outbox_stores_them_once(tmp_path: Path) -> None:
     inc = _inc()
     d = plan_fields(run_dir=tmp_path / RUN, incidents=[inc], action=Action.RESTART_JOB, checkpoint="step-100")
