@@ -42,6 +42,7 @@ import sqlite3
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -724,16 +725,24 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None  # a 3xx comes back as an HTTPError: a signed POST is not re-sent elsewhere
 
 
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
 class HttpTransport(Transport):
-    """urllib POST with a short timeout; redirects are not followed."""
+    """urllib POST with a short timeout; redirects are not followed; a loopback URL never goes through the
+    environment's HTTP proxy."""
 
     def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise AlertConfigError(f"webhook URL {url!r}: not an http:// or https:// URL")
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise AlertConfigError(f"webhook URL {url!r}: not an http:// or https:// URL with a host")
         if timeout_s <= 0:
             raise ValueError(f"HttpTransport: timeout_s {timeout_s} must be > 0")
         self.url, self.timeout_s = url, timeout_s
-        self._opener = urllib.request.build_opener(_NoRedirect)
+        handlers: list[urllib.request.BaseHandler] = [_NoRedirect()]
+        if parts.hostname in _LOOPBACK:
+            handlers.append(urllib.request.ProxyHandler({}))
+        self._opener = urllib.request.build_opener(*handlers)
 
     def post(self, body: bytes, headers: Mapping[str, str]) -> Reply:
         req = urllib.request.Request(self.url, data=body, method="POST",

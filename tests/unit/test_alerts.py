@@ -290,8 +290,9 @@ def test_secret_files(tmp_path: Path) -> None:
         assert str(p) in msg and "\n" not in msg, (name, msg)
     (tmp_path / "ok").write_text(f"\n  {SPEC_SECRET}  \n")
     assert load_secret(tmp_path / "ok") == SPEC_SECRET
-    with pytest.raises(AlertConfigError, match="not an http"):
-        HttpTransport("ftp://x")
+    for url in ("ftp://x", "http://", "localhost:8080/alerts"):
+        with pytest.raises(AlertConfigError, match="not an http"):
+            HttpTransport(url)
 
 
 # ------------------------------------------------------------------------------------------------------- tracker
@@ -494,6 +495,14 @@ def receiver() -> Iterator[Receiver]:
 
 def _messages(tmp_path: Path, n: int, run: str = RUN) -> list[Message]:
     return [incident_message(tmp_path / run, _inc(ranks=(i,), onset=100 + i), "firing", now=T0) for i in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def _a_proxy_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loopback receiver is reached directly even when the environment names an HTTP proxy (none listens)."""
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
 
 
 def _send(r: Receiver) -> Callable[[Message], Reply]:
