@@ -50,6 +50,8 @@ import json
 import logging
 import queue
 import re
+import signal
+import socket
 import sqlite3
 import threading
 import time
@@ -918,6 +920,7 @@ class ManagerService:
         self._app = _app(self.manager, secret=secret, token=token, max_body=max_body)
         self._host, self._port, self._log_level = host, port, log_level
         self._server: Any = None
+        self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         if host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("manager service listens on %s, not loopback: anyone who can reach it and holds the secret "
@@ -930,19 +933,33 @@ class ManagerService:
                                 lifespan="off", ws="none", access_log=False)
         return uvicorn.Server(config)
 
+    def _bind(self) -> socket.socket:
+        """The listening socket, bound before anything is launched: an address in use fails here, job untouched."""
+        sock = socket.socket(socket.AF_INET6 if ":" in self._host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self._host, self._port))
+        except OSError as exc:
+            sock.close()
+            raise ValueError(f"{self._host}:{self._port}: cannot listen ({exc.strerror})") from None
+        self._sock = sock
+        return sock
+
     @property
     def port(self) -> int:
-        assert self._server is not None and self._server.started, "service not started"
-        return int(self._server.servers[0].sockets[0].getsockname()[1])
+        assert self._sock is not None, "service not started"
+        return int(self._sock.getsockname()[1])
 
     @property
     def url(self) -> str:
         return f"http://{self._host}:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> ManagerService:
+        sock = self._bind()
         self.manager.start()
         self._server = self._make_server()
-        self._thread = threading.Thread(target=self._server.run, name="rankwatch-manager-http", daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="rankwatch-manager-http", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
@@ -955,12 +972,21 @@ class ManagerService:
 
     def run_forever(self) -> None:
         """Serve in the calling (main) thread until SIGINT / SIGTERM (uvicorn's handlers), then close."""
+        sock = self._bind()
         self.manager.start()
         self._server = self._make_server()
+        log.info("manager service for %s on %s", self.manager.run_dir, self.url)
+        # uvicorn shuts down on SIGINT/SIGTERM, restores the handlers it found and raises the signal again: with the
+        # default handlers the process would die there, before the job is stopped and the state file closed
+        main = threading.current_thread() is threading.main_thread()
+        found = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
-            self._server.run()
+            self._server.run(sockets=[sock])
         finally:
             self.manager.close()
+            sock.close()
+            for sig, handler in found.items():
+                signal.signal(sig, handler)
 
     def stop(self) -> None:
         if self._server is not None:
@@ -968,6 +994,8 @@ class ManagerService:
         if self._thread is not None:
             self._thread.join(10.0)
         self.manager.close()
+        if self._sock is not None:
+            self._sock.close()
 
     def __enter__(self) -> ManagerService:
         return self.start()

@@ -486,3 +486,71 @@ def test_a_relaunch_never_lands_on_a_quarantined_device(run_dir: Path, slots: in
     else:  # two ranks on a two-slot host: nowhere else to go
         assert s["last_decision"]["state"] == "failed" and "nothing is left" in s["last_decision"]["outcome"]
         assert s["job"]["state"] == JobState.FAILED and len(fake.calls) == 1
+
+
+def test_an_address_in_use_fails_before_anything_is_launched(run_dir: Path, tmp_path: Path) -> None:
+    import socket
+
+    from rankwatch.trainer.service import serve
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        fake = FakeLauncher()
+        svc = ManagerService(run_dir, secret=SECRET, job=job(run_dir), launcher=fake,
+                             port=taken.getsockname()[1])
+        with pytest.raises(ValueError, match="cannot listen"):
+            svc.start()
+        assert fake.calls == [] and not (run_dir / MANAGER_DIR).exists()
+    finally:
+        taken.close()
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET)
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        serve(run_dir, listen="8787", secret_file=secret)
+
+
+def test_serve_runs_in_the_foreground_and_ends_cleanly_on_sigterm(tmp_path: Path) -> None:
+    """What `rankwatch manager serve` calls: uvicorn in the main thread, its own SIGTERM handling, state closed."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run-s"
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import sys; from pathlib import Path; from rankwatch.trainer.service import serve; "
+            f"sys.exit(serve(Path({str(run_dir)!r}), listen='127.0.0.1:{port}', secret_file=Path({str(secret)!r}), "
+            "log_level='warning'))")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        def up() -> bool:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            try:
+                conn.request("GET", "/healthz")
+                return conn.getresponse().status == 200
+            except OSError:
+                return False
+            finally:
+                conn.close()
+
+        wait_for(up, 45)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            conn.request("GET", "/status")
+            doc = json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
+        assert doc["job"]["state"] == "none" and doc["run"] == "run-s"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (run_dir / MANAGER_DIR / STATE_FILE).is_file()
