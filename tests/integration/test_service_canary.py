@@ -1,4 +1,4 @@
-"""The manager service owning a real 2-rank canary: a rank SIGKILLed from outside, a signed decision by hand per the
+"""The manager service owning a real 2-rank canary: a rank SIGKILLed (or SIGSTOPped: a hang) from outside, a signed decision by hand per the
 wire contract, the job stopped at once by the service (not by the launcher's failure grace, not by the collective
 timeout), the recovery planned from the run by `assess`, applied with evidence and a record, the relaunch
 finishing, and /status saying so."""
@@ -33,10 +33,11 @@ SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
 def _decision(run_dir: Path, inc: Incident) -> bytes:
     """A "decision" message of the wire contract, by hand (the sender lives in analytics.alerts)."""
     run = run_dir.name
-    labels = {"alertname": "RankwatchFailStop", "class": str(inc.klass), "run": run, "rank": "1", "hostname": "h0",
+    camel = "".join(p.capitalize() for p in str(inc.klass).split("_"))
+    labels = {"alertname": f"Rankwatch{camel}", "class": str(inc.klass), "run": run, "rank": "1", "hostname": "h0",
               "uuid": "", "severity": "critical"}
     decision = {"id": f"{inc.id}/restart_job", "action": "restart_job", "scope": "job", "target": None,
-                "checkpoint": None, "path": ["fail_stop", "gate=none", "-> restart the job"], "reasons": ["rank 1 gone"],
+                "checkpoint": None, "path": [str(inc.klass), "gate=none", "-> restart the job"], "reasons": ["rank 1 lost"],
                 "quarantines": []}
     now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return json.dumps({
@@ -84,7 +85,11 @@ def _wait_for(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_sigkill_of_a_rank_is_stopped_recovered_and_finished_by_the_service(run_dir: Path) -> None:
+@pytest.mark.parametrize(("sig", "klass"), [(signal.SIGKILL, IncidentClass.FAIL_STOP),
+                                            (signal.SIGSTOP, IncidentClass.HANG)], ids=["sigkill", "sigstop"])
+def test_a_lost_or_stuck_rank_is_stopped_recovered_and_finished_by_the_service(
+    run_dir: Path, sig: signal.Signals, klass: IncidentClass
+) -> None:
     # a long collective timeout and failure grace: only the service's stop can end the attempt quickly
     cfg = canary(run_dir, layout="dp=2", steps=60, checkpoint_every=10, pg_timeout_s=60.0)
     launch_kw = dict(timeout_s=140, failure_grace_s=90.0, term_grace_s=2.0)
@@ -93,12 +98,12 @@ def test_sigkill_of_a_rank_is_stopped_recovered_and_finished_by_the_service(run_
         _wait_for(lambda: rows(run_dir, "SELECT count(*) FROM steps WHERE rank = 1")[0][0] >= 15, 90,
                   "15 steps of rank 1")
         pid = _status(svc)["job"]["pids"][1]
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         killed = time.monotonic()
 
-        inc = Incident(klass=IncidentClass.FAIL_STOP, subject=Subject(kind=SubjectKind.RANK, id="1"), ranks=(1,),
+        inc = Incident(klass=klass, subject=Subject(kind=SubjectKind.RANK, id="1"), ranks=(1,),
                        onset_step=None, detection_step=None, confidence=1.0, cause=Cause.UNKNOWN,
-                       summary="rank 1 exited (SIGKILL)", attempt=0, detection_wall_ns=time.time_ns())
+                       summary=f"rank 1 {sig.name}", attempt=0, detection_wall_ns=time.time_ns())
         body = _decision(run_dir, inc)
         mid = "msg_" + hashlib.sha256(body).hexdigest()[:32]
         when = datetime.now(timezone.utc)
@@ -111,6 +116,7 @@ def test_sigkill_of_a_rank_is_stopped_recovered_and_finished_by_the_service(run_
         # stopped at once: the first attempt ends by the stop event, long before the 90 s grace or 60 s timeout
         _wait_for(lambda: _status(svc)["attempts"][0]["stopped"] is not None, 30, "attempt 0 ended")
         first = _status(svc)["attempts"][0]
+        # a stopped process cannot act on SIGTERM: the launcher's SIGKILL after term_grace_s ends it
         assert first["stopped"] is True and first["exit_codes"][1] == -signal.SIGKILL, first
         assert time.monotonic() - killed < 30
 
@@ -124,6 +130,6 @@ def test_sigkill_of_a_rank_is_stopped_recovered_and_finished_by_the_service(run_
 
     rec = json.loads((run_dir / RECOVERY_DIR / f"{rid}.json").read_text())
     assert rec["outcome"] == "recovered" and rec["action"] == "restart_job" and rec["evidence"]
-    assert any(d["class"] == "fail_stop" and d["subject"] == "rank:1" for d in rec["decisions"])
+    assert any(d["class"] in ("fail_stop", "hang") and d["subject"] == "rank:1" for d in rec["decisions"]), rec
     assert rows(run_dir, "SELECT max(step) FROM steps WHERE attempt = 1") == [(59,)]
     assert (run_dir / MANAGER_DIR / STATE_FILE).is_file()
