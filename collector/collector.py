@@ -60,7 +60,8 @@ from rankwatch.collector.collectives import (
 from rankwatch.collector.device import CudaDeviceTimer, DeviceTimer, Mark
 from rankwatch.collector.fingerprint import fingerprint
 from rankwatch.collector.gpu import GpuMonitor, GpuSample, GpuSampler
-from rankwatch.collector.schema import CheckpointPhase, EventKind, Table
+from rankwatch.collector.liveness import LivenessWriter, rank_record_path
+from rankwatch.collector.schema import LIVE_VERSION, CheckpointPhase, EventKind, LiveField, LiveState, Table
 from rankwatch.collector.sink import ParquetSink, Row, Sink, SinkConfig
 
 log = logging.getLogger("rankwatch.collector")
@@ -113,9 +114,17 @@ class CollectorConfig:
     device_resolve_s: float = 5.0
     """Seconds after a step ends (a collective exits) that its rows wait for its device marks to complete; then
     they are written with null device columns and counted. Closing polls outstanding marks at most min(1 s, this)."""
+    liveness: bool = True
+    """Keep the rank's liveness record <run_dir>/live/rank-<r>.json current from a thread of its own
+    (collector/liveness.py; fields `schema.LiveField`): a monitor tells a dead rank from a stuck one within a heartbeat
+    interval instead of a part-file interval. Each write is one in-place `pwrite` of under 1 KiB."""
+    liveness_poll_s: float = 0.05
+    """Seconds between the liveness thread's looks at the last completed step: the record says a step completed at
+    most this long after it did (one write per look at most; at least two per heartbeat interval while no step
+    completes)."""
 
     def __post_init__(self) -> None:
-        for name in ("flush_interval_s", "heartbeat_interval_s", "gpu_interval_s"):
+        for name in ("flush_interval_s", "heartbeat_interval_s", "gpu_interval_s", "liveness_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"CollectorConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.fingerprint_every < 0:
@@ -323,6 +332,16 @@ class Collector:
         """Steps written with null device columns because their marks had not completed within `device_resolve_s`."""
         self._gave_up = False
         self._reported_device = (0, 0)
+        # the liveness record (`_live_doc`, read by the liveness thread); the training thread only stores references
+        self._live: LivenessWriter | None = None
+        self._last_done: StepRecord | None = None
+        """The last step completed (not failed): the liveness thread's progress token."""
+        self._live_seen: StepRecord | None = None
+        self._live_durations: deque[int] = deque(maxlen=15)
+        self._live_checkpoint: tuple[str, int] | None = None
+        self._live_exception: tuple[str, str, _Open | None] | None = None
+        self._live_signal: int | None = None
+        self._started_wall_ns = 0
         self.tracker = CollectiveTracker(
             rank=rank,
             append=self.sink.appender(Table.COLLECTIVES),  # the tracker's own try/except catches a failing sink
@@ -341,8 +360,18 @@ class Collector:
         if self._started:
             return self
         self._started = True
+        self._started_wall_ns = _wall()
         self.sink.start()
         self.event(EventKind.START, message=f"pid={os.getpid()}")
+        if self.config.liveness:
+            try:
+                self._live = LivenessWriter(
+                    rank_record_path(self.config.run_dir, self.rank), snapshot=self._live_doc,
+                    progress=self._live_progress, beat_s=self.config.heartbeat_interval_s / 2,
+                    poll_s=self.config.liveness_poll_s, on_error=self._internal_error)
+                self._live.start(f"rankwatch-live-{self.rank}")
+            except Exception as exc:
+                self._internal_error("liveness.start", exc)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"rankwatch-hb-{self.rank}", daemon=True)
         self._heartbeat.start()
         if self.gpu_sampler is not None:
@@ -369,7 +398,11 @@ class Collector:
         if self._closed:
             return
         self._closed = True
+        live = self._live
         try:
+            if live is not None:  # the monitor learns of the exit now, not after the flush below
+                live.stop()
+                live.write(**{LiveField.STATE: str(LiveState.EXITING), LiveField.EXIT_CODE: exit_code})
             self._stop.set()
             if self._gpu_monitor is not None:
                 self._gpu_monitor.stop(timeout_s=2.0)
@@ -384,6 +417,9 @@ class Collector:
             self.sink.close(timeout_s=10.0)
             if self.gpu_sampler is not None:
                 self.gpu_sampler.close()
+            if live is not None:
+                live.write(**{LiveField.STATE: str(LiveState.EXITED), LiveField.EXIT_CODE: exit_code})
+                live.close()
         except Exception as exc:
             self._internal_error("close", exc)
         finally:
@@ -518,6 +554,8 @@ class Collector:
         record.seq = len(record.ops)
         self._add_phase = self._loose_phase
         self._last_step = record.step
+        if not failed:
+            self._last_done = record
         try:
             record.failed = failed
             loss = record.loss
@@ -781,12 +819,14 @@ class Collector:
         record = CheckpointPhaseRecord(bytes=nbytes)
         start_mono, start_wall = time.monotonic_ns(), time.time_ns()
         error: str | None = None
+        self._live_checkpoint = (f"checkpoint.{phase}", start_wall)
         try:
             yield record
         except BaseException as exc:
             error = f"{type(exc).__name__}: {exc}"[:500]
             raise
         finally:
+            self._live_checkpoint = None
             end_mono, end_wall = time.monotonic_ns(), time.time_ns()
             current = self._current
             if current is not None:
@@ -864,6 +904,7 @@ class Collector:
         failed = self._last_failed
         if failed is None:
             failed = self.tracker.oldest_open()
+        self._live_exception = (type(exc).__name__, str(exc)[:300], failed)
         self.event(EventKind.EXCEPTION, exc_type=type(exc).__name__, message=str(exc)[:1000], collective=failed)
         self.flush(timeout_s=5.0)
 
@@ -910,12 +951,61 @@ class Collector:
                     f"within {self.config.device_resolve_s} s); {device[1]} mark(s) skipped (pool of "
                     f"{timer.capacity} empty)"))
 
+    # -- liveness record (the liveness thread) ---------------------------------------------------------
+    def _live_progress(self) -> object:
+        return self._last_done
+
+    def _live_doc(self) -> dict[str, object]:
+        """The liveness record's fields now (`schema.LiveField`; the writer adds `seq`). Reads what the training
+        thread stored (references, no locks but the tracker's for the open collective)."""
+        wall, mono = _wall(), _mono()
+        done = self._last_done
+        if done is not None and done is not self._live_seen and done.end_mono_ns is not None:
+            self._live_seen = done
+            self._live_durations.append(done.end_mono_ns - done.start_mono_ns)
+        durations = sorted(self._live_durations)
+        current = self._current
+        checkpoint = self._live_checkpoint
+        exception = self._live_exception
+        o = exception[2] if exception is not None else self.tracker.oldest_open()
+        doc: dict[str, object] = {
+            LiveField.VERSION: LIVE_VERSION, LiveField.RANK: self.rank, LiveField.WORLD_SIZE: self.world_size,
+            LiveField.ATTEMPT: self.attempt, LiveField.PID: os.getpid(), LiveField.HOST: self.host,
+            LiveField.STATE: str(LiveState.RUNNING), LiveField.WALL_NS: wall,
+            LiveField.HEARTBEAT_NS: int(self.config.heartbeat_interval_s * 1e9),
+            LiveField.STARTED_WALL_NS: self._started_wall_ns,
+            LiveField.LAST_STEP: done.step if done is not None else None,
+            LiveField.LAST_STEP_WALL_NS: (done.end_mono_ns + done.wall_offset_ns
+                                          if done is not None and done.end_mono_ns is not None else None),
+            LiveField.STEP_NS: durations[len(durations) // 2] if durations else None,
+            LiveField.STEP: current.step if current is not None else None,
+            LiveField.STEP_START_WALL_NS: current.start_wall_ns if current is not None else None,
+            LiveField.PHASE: checkpoint[0] if checkpoint is not None else self._phase,
+            LiveField.PHASE_START_WALL_NS: checkpoint[1] if checkpoint is not None else None,
+            LiveField.COLLECTIVE_OP: None, LiveField.COLLECTIVE_GROUP: None, LiveField.COLLECTIVE_SEQ: None,
+            LiveField.COLLECTIVE_PEER: None, LiveField.COLLECTIVE_WALL_NS: None, LiveField.COLLECTIVE_RANKS: None,
+            LiveField.EXIT_CODE: None, LiveField.SIGNAL: self._live_signal,
+            LiveField.EXC_TYPE: exception[0] if exception is not None else None,
+            LiveField.MESSAGE: exception[1] if exception is not None else None,
+        }
+        if o is not None and hasattr(o, "enter_mono"):
+            opened = mono - o.enter_mono
+            doc[LiveField.COLLECTIVE_OP] = o.op
+            doc[LiveField.COLLECTIVE_GROUP] = o.group.name
+            doc[LiveField.COLLECTIVE_SEQ] = o.group_seq
+            doc[LiveField.COLLECTIVE_PEER] = o.peer
+            doc[LiveField.COLLECTIVE_WALL_NS] = wall - opened
+            if exception is not None or opened >= min(self.config.inflight_after_s, self.config.heartbeat_interval_s) * 1e9:
+                doc[LiveField.COLLECTIVE_RANKS] = list(o.group.ranks)
+        return doc
+
     def _emit_gpu(self, sample: GpuSample) -> None:
         current = self._current
         step = current.step if current is not None else (self._last_step if self._last_step is not None else -1)
         self._append(Table.GPU, sample.row(rank=self.rank, step=step))
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self._live_signal = signum
         self.event(EventKind.SIGNAL, signal_number=signum, message=signal.Signals(signum).name)
         self.close(exit_code=128 + signum)
         previous = self._prev_sigterm

@@ -754,3 +754,114 @@ _TABLE_DOCS: dict[Table, str] = {
     Table.TOPOLOGY: "One row per rank start: where the rank lives, its parallel coordinates and groups.",
 }
 
+
+
+# -- liveness: <run>/live/ -------------------------------------------------------------------------------------------
+# Not parquet: one small JSON object per rank (and per ended rank process), replaced in place, so a monitor learns of a
+# dead or stuck rank within a heartbeat instead of a part-file interval. collector/liveness.py writes the rank records,
+# the launcher (trainer/launch.py, each host's agent) the exit records; analytics/liveness.py reads both.
+# docs/liveness.md describes the channel.
+
+LIVE_DIR = "live"
+"""``<run>/live/``: ``rank-<r>.live`` (the rank's liveness record) and ``exit-<r>.json`` (its process's end)."""
+LIVE_VERSION = 1
+"""Version of both record kinds (their `version` field)."""
+RANK_RECORD_PREFIX = "rank-"
+RANK_RECORD_SUFFIX = ".live"
+EXIT_RECORD_PREFIX = "exit-"
+EXIT_RECORD_SUFFIX = ".json"
+LIVE_HEADER_BYTES = 16
+"""A rank record file is one frame, rewritten in place at offset 0 (one `pwrite`, no rename: a rename over a file
+costs about 1 ms on ext4, an in-place write a few us): ``"%08x %06d " % (crc32(body), len(body))``, then `body`, the
+record as UTF-8 JSON, then spaces up to the file's length (a shorter record does not truncate the file). A reader
+that finds the CRC wrong read a write in progress and reads again, or keeps the record it had."""
+
+
+class LiveState(StrEnum):
+    """What a rank's collector says of itself in its liveness record."""
+
+    RUNNING = "running"
+    """Started; training or about to (no `last_step` yet)."""
+    EXITING = "exiting"
+    """`Collector.close` began, with `exit_code` (0: training ended normally); flushing telemetry."""
+    EXITED = "exited"
+    """`Collector.close` finished; nothing more is written."""
+
+
+class LiveField(StrEnum):
+    """Fields of the record in ``<run>/live/rank-<r>.live`` (framed as `LIVE_HEADER_BYTES` says). Written by the
+    rank's liveness thread (collector/liveness.py) at least twice per heartbeat interval and within
+    `CollectorConfig.liveness_poll_s` of each completed step. Times are `time.time_ns()`."""
+
+    VERSION = "version"
+    RANK = "rank"
+    WORLD_SIZE = "world_size"
+    ATTEMPT = "attempt"
+    """Incarnation of the rank (`steps.attempt`): a record of an earlier attempt says nothing of the current one."""
+    PID = "pid"
+    HOST = "host"
+    STATE = "state"
+    """A `LiveState`."""
+    SEQ = "seq"
+    """+1 at every write of this process (a monitor sees a record change on its own clock, whatever the writer's)."""
+    WALL_NS = "wall_ns"
+    """When the record was written: the rank's last sign of life (its liveness thread runs while training is stuck;
+    a frozen (SIGSTOP) or dead process writes no more)."""
+    HEARTBEAT_NS = "heartbeat_ns"
+    """The collector's heartbeat interval, ns: the unit a monitor's thresholds count in."""
+    STARTED_WALL_NS = "started_wall_ns"
+    """When the collector started."""
+    LAST_STEP = "last_step"
+    """Last step completed (null before the first)."""
+    LAST_STEP_WALL_NS = "last_step_wall_ns"
+    """When the last completed step ended: the rank's last progress."""
+    STEP_NS = "step_ns"
+    """Median duration of recently completed steps (null before the first): how long a step may take."""
+    STEP = "step"
+    """The step in progress (null between steps)."""
+    STEP_START_WALL_NS = "step_start_wall_ns"
+    PHASE = "phase"
+    """The named phase in progress (`Collector.phase`), or ``checkpoint.<phase>`` inside `Collector.checkpoint_phase`;
+    null outside both."""
+    PHASE_START_WALL_NS = "phase_start_wall_ns"
+    """Start of a checkpoint phase in progress (null otherwise): saves may take far longer than steps."""
+    COLLECTIVE_OP = "collective_op"
+    """The collective open the longest at the write (null: none). In an exiting record after an exception: the one
+    the exception came from, if any."""
+    COLLECTIVE_GROUP = "collective_group"
+    COLLECTIVE_SEQ = "collective_seq"
+    """Its sequence number in its group (`collectives.group_seq`)."""
+    COLLECTIVE_PEER = "collective_peer"
+    """Its peer rank, for a point-to-point operation."""
+    COLLECTIVE_WALL_NS = "collective_wall_ns"
+    """When the rank entered it."""
+    COLLECTIVE_RANKS = "collective_ranks"
+    """Its group's ranks, once it has been open the lesser of `CollectorConfig.inflight_after_s` and a heartbeat
+    interval (null before: a large group's list is not written at every step); always in an exiting record."""
+    EXIT_CODE = "exit_code"
+    """The code given to `Collector.close` (exiting and exited records)."""
+    SIGNAL = "signal"
+    """The signal the collector handled (SIGTERM), if that is why it closed."""
+    EXC_TYPE = "exc_type"
+    """Type of the exception recorded by `Collector.exception`, if any."""
+    MESSAGE = "message"
+    """Its message, the first 300 characters (peers' messages may name the rank that went away)."""
+
+
+class ExitField(StrEnum):
+    """Fields of ``<run>/live/exit-<r>.json``, a JSON object: written once by the launcher's side of the rank's host
+    (the process's parent, which sees it end at once) when the rank's process ends, under a temporary name and renamed
+    (`os.replace`), so a reader sees all of it or nothing."""
+
+    VERSION = "version"
+    RANK = "rank"
+    WORLD_SIZE = "world_size"
+    ATTEMPT = "attempt"
+    PID = "pid"
+    HOST = "host"
+    WALL_NS = "wall_ns"
+    """When the launcher saw the process end (within its poll interval of the end)."""
+    EXIT_CODE = "exit_code"
+    """Exit status (null when a signal ended it)."""
+    SIGNAL = "signal"
+    """The signal that ended it (null for an exit)."""

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rankwatch.collector.liveness import write_exit_record
 from rankwatch.collector.rollup import rollup_all, run_agent
 from rankwatch.trainer.canary import CanaryConfig, determinism_inputs, run_rank
+from rankwatch.trainer.parallel import Hosts
 from rankwatch.trainer.resume import preflight
 from rankwatch.trainer.runfile import DETERMINISM_KEY, RUN_FILE, read_launches
 
@@ -144,6 +146,7 @@ def launch(
     ctx = mp.start_processes(run_rank, args=(cfg, store.port), nprocs=cfg.world_size, join=False, start_method="spawn")
     procs = ctx.processes
     pids = tuple(p.pid for p in procs)
+    exits = _ExitRecords(run_dir, cfg, procs)
     if on_start is not None:
         on_start(tuple(int(p) for p in pids))
     stopped = False
@@ -152,6 +155,7 @@ def launch(
     sent_term_at: float | None = None
     try:
         while True:
+            exits.see()
             codes = [p.exitcode for p in procs]
             if all(c is not None for c in codes):
                 break
@@ -184,6 +188,7 @@ def launch(
     finally:
         for p in procs:
             p.join(1.0)
+        exits.see()
         del store
         if agent is not None:
             agent.close()
@@ -207,6 +212,36 @@ def launch(
         warnings=tuple(warnings),
         stopped=stopped,
     )
+
+
+class _ExitRecords:
+    """The launcher's side of each (virtual) host, as far as liveness goes: the moment it sees a rank's process end
+    it writes <run>/live/exit-<r>.json (`collector.liveness.write_exit_record`), so a monitor learns of the exit within
+    the launcher's poll interval instead of a heartbeat timeout. One launcher stands for every virtual host's agent
+    here; a real deployment runs one per host, each for its own ranks. A failed write is logged once and the job goes
+    on."""
+
+    def __init__(self, run_dir: Path, cfg: CanaryConfig, procs: list[Any]) -> None:
+        self._run_dir = run_dir
+        self._cfg = cfg
+        self._procs = procs
+        self._hosts = Hosts(count=cfg.hosts, world_size=cfg.world_size)
+        self._written: set[int] = set()
+        self._warned = False
+
+    def see(self) -> None:
+        for rank, p in enumerate(self._procs):
+            code = p.exitcode
+            if code is None or rank in self._written:
+                continue
+            self._written.add(rank)
+            try:
+                write_exit_record(self._run_dir, rank=rank, world_size=self._cfg.world_size, attempt=self._cfg.attempt,
+                                  pid=p.pid, host=self._hosts.host_of(rank), returncode=code)
+            except OSError as exc:
+                if not self._warned:
+                    self._warned = True
+                    log.warning("rankwatch launcher: exit record of rank %d not written: %s", rank, exc)
 
 
 class _RollupAgent:
