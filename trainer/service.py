@@ -1,4 +1,5 @@
-"""The recovery manager as a service: signed alerts in over HTTP, the existing policy and plan applied to the job it owns.
+"""The recovery manager as a service: signed alerts in over HTTP, the existing policy and plan applied to the job it
+owns.
 
     ManagerService(run_dir, secret=..., job=cfg).start()   the object form (tests; port 0 picks a free port)
     serve(run_dir, listen="127.0.0.1:PORT", secret_file=F, job=cfg)   the same, blocking until SIGINT / SIGTERM
@@ -395,7 +396,8 @@ class _State:
         with self._lock:
             self._con.execute("BEGIN IMMEDIATE")
             try:
-                row = self._con.execute("SELECT sha256, state, outcome FROM messages WHERE id = ?", (msg_id,)).fetchone()
+                row = self._con.execute("SELECT sha256, state, outcome FROM messages WHERE id = ?",
+                                        (msg_id,)).fetchone()
                 if row is not None:
                     self._con.execute("COMMIT")
                     return ("duplicate" if row[0] == sha else "conflict", row[1], row[2])
@@ -410,7 +412,8 @@ class _State:
                     self._con.execute(
                         "INSERT INTO incidents VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
                         "status = excluded.status, summary = excluded.summary, updated_ns = excluded.updated_ns",
-                        (m.incident_id, status, str(m.incident.klass), str(m.incident.subject), m.incident.summary, now))
+                        (m.incident_id, status, str(m.incident.klass), str(m.incident.subject), m.incident.summary,
+                         now))
                 self._con.execute("COMMIT")
             except BaseException:
                 self._con.execute("ROLLBACK")
@@ -444,7 +447,8 @@ class _State:
     def summary(self) -> dict[str, Any]:
         with self._lock:
             incidents = [dict(zip(("id", "class", "subject", "summary", "updated_ns"), r)) for r in self._con.execute(
-                "SELECT id, class, subject, summary, updated_ns FROM incidents WHERE status = 'firing' ORDER BY updated_ns")]
+                "SELECT id, class, subject, summary, updated_ns FROM incidents WHERE status = 'firing' "
+                "ORDER BY updated_ns")]
             cols = ("id", "decision_id", "incident", "action", "state", "outcome", "recovery_id", "received_ns")
             decisions = [dict(zip(cols, r)) for r in self._con.execute(
                 f"SELECT {', '.join(cols)} FROM messages WHERE type = 'decision' ORDER BY received_ns")]
@@ -524,8 +528,13 @@ class Manager:
         for msg_id in interrupted:
             log.warning("decision %s was started before the service stopped: marked interrupted, not re-run", msg_id)
         for msg_id, body in queued:
+            try:
+                message = parse_message(body)
+            except ValueError as exc:  # accepted by an older build of this contract
+                self._db.mark(msg_id, _Ledger.FAILED, outcome=f"not queued again: {exc}")
+                continue
             log.info("decision %s accepted before the service stopped and never started: queued again", msg_id)
-            self._queue.put((msg_id, parse_message(body)))
+            self._queue.put((msg_id, message))
         self._worker = threading.Thread(target=self._work, name="rankwatch-manager", daemon=True)
         self._worker.start()
         if self._job is not None:
@@ -621,7 +630,7 @@ class Manager:
             "attempts": attempts, **({"attempts_error": launch_error} if launch_error else {}),
             **s,
             "last_decision": decisions[-1] if decisions else None,
-            "decisions": {st: sum(1 for d in decisions if d["state"] == st) for st in sorted({d["state"] for d in decisions})},
+            "decisions": dict(sorted(Counter(str(d["state"]) for d in decisions).items())),
             "interrupted": list(self.interrupted),
             "refused": refused,
         }

@@ -1,7 +1,7 @@
-"""The manager service owning a real 2-rank canary: a rank SIGKILLed (or SIGSTOPped: a hang) from outside, a signed decision by hand per the
-wire contract, the job stopped at once by the service (not by the launcher's failure grace, not by the collective
-timeout), the recovery planned from the run by `assess`, applied with evidence and a record, the relaunch
-finishing, and /status saying so."""
+"""The manager service owning a real 2-rank canary: a rank SIGKILLed (or SIGSTOPped: a hang) from outside, a signed
+decision by hand per the wire contract, the job stopped at once by the service (not by the launcher's failure grace,
+not by the collective timeout), the recovery planned from the run by `assess`, applied with evidence and a record,
+the relaunch finishing, and /status saying so."""
 
 from __future__ import annotations
 
@@ -37,12 +37,14 @@ def _decision(run_dir: Path, inc: Incident) -> bytes:
     labels = {"alertname": f"Rankwatch{camel}", "class": str(inc.klass), "run": run, "rank": "1", "hostname": "h0",
               "uuid": "", "severity": "critical"}
     decision = {"id": f"{inc.id}/restart_job", "action": "restart_job", "scope": "job", "target": None,
-                "checkpoint": None, "path": [str(inc.klass), "gate=none", "-> restart the job"], "reasons": ["rank 1 lost"],
+                "checkpoint": None, "path": [str(inc.klass), "gate=none", "-> restart the job"],
+                "reasons": ["rank 1 lost"],
                 "quarantines": []}
     now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return json.dumps({
         "version": "4", "groupKey": f"rankwatch/{run}/{inc.id}", "truncatedAlerts": 0, "status": "firing",
-        "receiver": "rankwatch-manager", "externalURL": "", "groupLabels": {"alertname": labels["alertname"], "run": run},
+        "receiver": "rankwatch-manager", "externalURL": "",
+        "groupLabels": {"alertname": labels["alertname"], "run": run},
         "commonLabels": labels, "commonAnnotations": {},
         "alerts": [{"status": "firing", "labels": labels,
                     "annotations": {"summary": inc.summary, "decision": "restart_job", "evidence": ""},
