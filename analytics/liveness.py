@@ -33,10 +33,13 @@ Incidents (`classify`), in analytics' vocabulary (`analytics.incidents`):
    outside any collective while no one waits in one, else the job's (every rank stuck; the summary names the
    collective).
 
-Incident ids are analytics' own (`Incident.id`: class, subject, onset step, ranks), with the onset step as
-`analytics.failstop` sets it (the culprit's last completed step + 1; for the job, the newest last step + 1): the same
-fault gets the same id at every poll, and the id the part-file detector later gives it whenever both read the same last
-step, so a monitor that deduplicates by id reports it once. Evidence and summaries say they come from liveness.
+Onset steps are counted as `analytics.failstop` counts them (the culprit's last completed step + 1; for the job, the
+newest last step + 1). Ids are the same at every poll for the same fault (`_live_id`: class, subject, attempt, onset,
+ranks, each fixed once the incident holds) and clearly distinct from the part-file detectors' (``<class>-live-...``):
+the part-file reading of the same fault cannot be relied on to reach the same onset (the victim's last rows may be
+lost with it, and failstop then takes the step its peers wait in; the liveness record says the last completed step up
+to `liveness_poll_s` late), so equal ids would hold only by luck. `same_fault` says when a part-file incident is the
+fault a liveness incident already named. Evidence and summaries say they come from liveness.
 
 Clocks: ages compare the monitor's `time.time_ns()` with the writer's. On one machine there is no skew. Across hosts,
 NTP keeps it to milliseconds against heartbeats of a second; `LivenessMonitor` also times each record's changes (and
@@ -46,6 +49,7 @@ dead or stuck (one whose clock runs ahead can make a stopped rank look alive lon
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -75,7 +79,7 @@ from rankwatch.collector.schema import (
 
 __all__ = [
     "ExitRecord", "LivenessConfig", "LivenessMonitor", "LivenessView", "OpenCollective", "RankLiveness", "RankRecord",
-    "RankState", "Seen", "classify", "decode_rank_record", "parse_exit_record",
+    "LIVE_ID_TAG", "RankState", "Seen", "classify", "decode_rank_record", "parse_exit_record", "same_fault",
 ]
 
 _NAMED_RANK = re.compile(r"(?i)\brank\s*[=:#]?\s*(\d+)")
@@ -580,6 +584,37 @@ def _hangs(stuck: list[RankLiveness], by_rank: dict[int, RankLiveness], views: t
 
 # -- incidents ----------------------------------------------------------------------------------------------------------
 
+LIVE_ID_TAG = "live"
+"""Liveness incident ids read ``<class>-live-<10 hex>``: never equal to a part-file detector's (`Incident.id`)."""
+
+
+def _live_id(klass: IncidentClass, subject: Subject, attempt: int, onset: int | None, ranks: tuple[int, ...]) -> str:
+    """Stable across polls: every input is fixed once the incident holds (a dead rank's record no longer changes; a
+    stuck rank's last step does not; a job-wide incident waits until no rank is running)."""
+    key = f"{klass}|{subject}|{attempt}|{onset}|{','.join(map(str, ranks))}"
+    return f"{klass}-{LIVE_ID_TAG}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+def same_fault(live: Incident, other: Incident, *, steps: int = 2) -> bool:
+    """Whether `other` (a part-file detector's incident, `analytics.failstop`) is the fault the liveness incident
+    `live` names, so a monitor reports it once: both fail-stop or hang (a frozen rank may read as either), the same
+    subject and, where both say, the same attempt (a rank fails-stop once per attempt); two hangs also need onsets at
+    most `steps` apart (a rank may stall more than once). Onsets of fail-stops are not compared: the part files may
+    have lost the victim's last rows (failstop then takes the step its peers wait in), and the liveness record says
+    the last completed step up to one step late."""
+    family = (IncidentClass.FAIL_STOP, IncidentClass.HANG)
+    if live.klass not in family or other.klass not in family or live.subject != other.subject:
+        return False
+    if live.attempt is not None and other.attempt is not None and live.attempt != other.attempt:
+        return False
+    if live.klass is IncidentClass.HANG and other.klass is IncidentClass.HANG:
+        return (live.onset_step is None or other.onset_step is None
+                or abs(live.onset_step - other.onset_step) <= steps)
+    return True
+
+
+# -- incident builders -------------------------------------------------------------------------------------------------
+
 _EVIDENCE_COLUMNS = ("rank", "state", "last_step", "step", "where", "exit_code", "signal", "exc_type",
                      "last_seen_wall_ns")
 
@@ -622,8 +657,10 @@ def _failstop(v: RankLiveness, views: tuple[RankLiveness, ...], method: str, con
                f"(liveness: {method})")
     confidence = (config.named_confidence if named else
                   config.stopped_confidence if v.state is RankState.STOPPED else config.lost_confidence)
+    subject = Subject(kind=SubjectKind.RANK, id=str(v.rank))
     return Incident(
-        klass=IncidentClass.FAIL_STOP, subject=Subject(kind=SubjectKind.RANK, id=str(v.rank)), ranks=(v.rank,),
+        id=_live_id(IncidentClass.FAIL_STOP, subject, v.attempt, onset, (v.rank,)),
+        klass=IncidentClass.FAIL_STOP, subject=subject, ranks=(v.rank,),
         onset_step=onset, detection_step=onset, confidence=confidence, cause=cause, summary=summary,
         detection_wall_ns=v.detectable_wall_ns, fields=(str(cause),), attempt=v.attempt,
         evidence=(_evidence(views, [v.rank, *after], "each rank's liveness at detection (the culprit first)"),),
@@ -641,9 +678,11 @@ def _job_failstop(views: tuple[RankLiveness, ...], attempt: int, config: Livenes
     summary = (f"the job stopped in step {onset} on all {len(views)} ranks within {span:.0f} ms, none failing first "
                f"({dict((str(k), n) for k, n in causes.items())}) (liveness)")
     detect = [v.detectable_wall_ns for v in views if v.detectable_wall_ns is not None]
+    ranks = tuple(v.rank for v in views)
+    subject = Subject(kind=SubjectKind.JOB, id="job")
     return Incident(
-        klass=IncidentClass.FAIL_STOP, subject=Subject(kind=SubjectKind.JOB, id="job"),
-        ranks=tuple(v.rank for v in views), onset_step=onset, detection_step=onset,
+        id=_live_id(IncidentClass.FAIL_STOP, subject, attempt, onset, ranks),
+        klass=IncidentClass.FAIL_STOP, subject=subject, ranks=ranks, onset_step=onset, detection_step=onset,
         confidence=config.fallback_confidence, cause=cause, summary=summary,
         detection_wall_ns=max(detect) if detect else None, fields=(str(cause),), attempt=attempt,
         evidence=(_evidence(views, [], "each rank's liveness at detection"),),
@@ -661,8 +700,10 @@ def _hang(v: RankLiveness, views: tuple[RankLiveness, ...], waiters: list[int], 
     summary = (f"rank {v.rank} hangs in step {onset} (last completed step {v.last_step}): {alive}, no step completed "
                f"for more than {allowed}, stuck {where}; {len(waiters)} peer(s) wait for it in their collectives "
                f"(liveness)")
+    subject = Subject(kind=SubjectKind.RANK, id=str(v.rank))
     return Incident(
-        klass=IncidentClass.HANG, subject=Subject(kind=SubjectKind.RANK, id=str(v.rank)), ranks=(v.rank,),
+        id=_live_id(IncidentClass.HANG, subject, attempt, onset, (v.rank,)),
+        klass=IncidentClass.HANG, subject=subject, ranks=(v.rank,),
         onset_step=onset, detection_step=onset, confidence=confidence, cause=cause, summary=summary,
         detection_wall_ns=v.detectable_wall_ns, fields=(str(cause),), attempt=attempt,
         evidence=(_evidence(views, [v.rank, *waiters], "each rank's liveness at detection (the culprit, then those "
@@ -680,9 +721,12 @@ def _job_hang(stuck: list[RankLiveness], views: tuple[RankLiveness, ...], attemp
     summary = (f"the job hangs in step {onset}: {len(stuck)} of {len(views)} ranks stuck with no one gone and no rank "
                f"the others wait for ({where}) (liveness)")
     detect = [v.detectable_wall_ns for v in stuck if v.detectable_wall_ns is not None]
+    ranks = tuple(v.rank for v in views)
+    subject = Subject(kind=SubjectKind.JOB, id="job")
     return Incident(
-        klass=IncidentClass.HANG, subject=Subject(kind=SubjectKind.JOB, id="job"), ranks=tuple(v.rank for v in views),
-        onset_step=onset, detection_step=onset, confidence=config.fallback_confidence, cause=cause, summary=summary,
+        id=_live_id(IncidentClass.HANG, subject, attempt, onset, ranks),
+        klass=IncidentClass.HANG, subject=subject, ranks=ranks, onset_step=onset, detection_step=onset,
+        confidence=config.fallback_confidence, cause=cause, summary=summary,
         detection_wall_ns=max(detect) if detect else None, fields=(str(cause),), attempt=attempt,
         evidence=(_evidence(views, [], "each rank's liveness at detection"),),
     )

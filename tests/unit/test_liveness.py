@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rankwatch.analytics.errors import RunDirError, SchemaVersionError
-from rankwatch.analytics.incidents import Cause, IncidentClass, Subject, SubjectKind
+from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.analytics.liveness import (
     ExitRecord,
     LivenessConfig,
@@ -26,6 +26,7 @@ from rankwatch.analytics.liveness import (
     Seen,
     classify,
     decode_rank_record,
+    same_fault,
 )
 from rankwatch.collector import Collector, CollectorConfig, MemorySink
 from rankwatch.collector.collectives import GroupInfo
@@ -423,3 +424,18 @@ def test_exit_records_round_trip(tmp_path: Path) -> None:
     assert view.rank(2).state is RankState.STOPPED and view.rank(2).signal == 9  # type: ignore[union-attr]
     assert view.rank(3).state is RankState.FINISHED  # type: ignore[union-attr]
     assert [p.name for p in sorted((tmp_path / "live").iterdir())] == ["exit-2.json", "exit-3.json", "rank-0.live"]
+
+
+def test_liveness_ids_are_distinct_from_the_part_file_detectors_and_same_fault_links_them() -> None:
+    (live,) = classify([rec(r, at=10.0) for r in (0, 1, 3)] + [rec(2, at=9.95)], [exit_(2, at=10.05, sig=9)],
+                       now(10.1)).incidents
+    assert live.id.startswith("fail_stop-live-")
+    part_file = Incident(klass=IncidentClass.FAIL_STOP, subject=Subject(kind=SubjectKind.RANK, id="2"), ranks=(2,),
+                         onset_step=11, detection_step=11, confidence=0.9, cause=Cause.VANISHED, summary="", attempt=0)
+    assert part_file.id != live.id and same_fault(live, part_file)
+    assert not same_fault(live, replace(part_file, subject=Subject(kind=SubjectKind.RANK, id="3"), id=""))
+    assert not same_fault(live, replace(part_file, attempt=1, id=""))
+    hang = replace(part_file, klass=IncidentClass.HANG, id="")
+    assert same_fault(live, hang)  # a frozen rank may read as either
+    live_hang = replace(live, klass=IncidentClass.HANG)
+    assert same_fault(live_hang, hang) and not same_fault(live_hang, replace(hang, onset_step=40, id=""))
