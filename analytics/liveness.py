@@ -53,6 +53,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import time
 import zlib
 from collections import Counter
@@ -386,6 +387,15 @@ class LivenessView:
         parts = [f"{counts[s]} {s}" for s in RankState if counts[s]]
         return f"attempt {self.attempt}, {self.world_size} ranks: " + ", ".join(parts)
 
+    def table(self) -> str:
+        """One fixed-width line per rank: rank, state, host, pid, what it is doing or how it ended."""
+        rows = [(str(r.rank), str(r.state), r.host or "-", str(r.pid) if r.pid is not None else "-", r.why)
+                for r in self.ranks]
+        head = ("rank", "state", "host", "pid", "")
+        widths = [max(len(row[c]) for row in [head, *rows]) for c in range(4)]
+        return "\n".join("  ".join(v.ljust(w) for v, w in zip(row[:4], widths)) + "  " + row[4]
+                         for row in [head, *rows]).rstrip()
+
 
 # -- classification -----------------------------------------------------------------------------------------------------
 
@@ -407,10 +417,8 @@ def _named(message: str | None, rank: int, world: int) -> set[int]:
 
 
 def _signal_name(sig: int) -> str:
-    import signal as _signal
-
     try:
-        return _signal.Signals(sig).name
+        return signal.Signals(sig).name
     except ValueError:
         return f"signal {sig}"
 
@@ -458,7 +466,7 @@ def _rank_view(r: int, attempt: int, rec: RankRecord | None, ex: ExitRecord | No
         message=rec.message,
     )
     exit_code = ex.exit_code if ex is not None and ex.exit_code is not None else rec.exit_code
-    signal = ex.signal if ex is not None and ex.signal is not None else rec.signal
+    sig = ex.signal if ex is not None and ex.signal is not None else rec.signal
     # the collector's own word on a clean end wins (a launcher may kill a rank that already closed); a close without a
     # code (at interpreter exit) is clean unless the process then ended otherwise
     clean = rec.exit_code == 0 or rec.exit_code is None and (ex is None or ex.exit_code == 0)
@@ -472,7 +480,7 @@ def _rank_view(r: int, attempt: int, rec: RankRecord | None, ex: ExitRecord | No
             last_seen = ex.wall_ns
         told = [t for t in (rec.wall_ns if rec.closed else None, ex.wall_ns if ex is not None else None) if t is not None]
         return RankLiveness(
-            state=RankState.STOPPED, why=f"stopped: {_how_ended(rec, ex)}", exit_code=exit_code, signal=signal,
+            state=RankState.STOPPED, why=f"stopped: {_how_ended(rec, ex)}", exit_code=exit_code, signal=sig,
             last_seen_wall_ns=last_seen, stuck_at_end=rec.wall_ns - rec.progress_wall_ns > allowed,
             reacting=rec.exc_type is not None and (rec.collective is not None or bool(_named(rec.message, r, world))),
             detectable_wall_ns=min(told), **common)

@@ -20,6 +20,11 @@ them with the step; at step end the step is handed over whole, and the sink's wr
 steps, phases and collectives (`_drain`, the sink's source) at every flush. At most `max_pending_steps` finished
 steps wait for it; beyond that, rows are dropped and counted (phases first).
 
+Liveness (`config.liveness`): a thread of its own keeps <run>/live/rank-<r>.live current (collector/liveness.py) —
+the last completed step, the step, phase and collective in progress, and at close how the rank ended — so a monitor
+tells a dead rank from a stuck one within a heartbeat (analytics/liveness.py). The training thread only stores a
+reference to each finished step.
+
 Device time (CUDA): with a `DeviceTimer` (collector/device.py), steps, phases and collectives are also marked on the
 device stream, and the writer resolves the marks after the fact, never waiting: a finished step whose marks have not
 completed is kept back (its step, phase and collective rows wait) and retried at every flush; past
@@ -115,7 +120,7 @@ class CollectorConfig:
     """Seconds after a step ends (a collective exits) that its rows wait for its device marks to complete; then
     they are written with null device columns and counted. Closing polls outstanding marks at most min(1 s, this)."""
     liveness: bool = True
-    """Keep the rank's liveness record <run_dir>/live/rank-<r>.json current from a thread of its own
+    """Keep the rank's liveness record <run_dir>/live/rank-<r>.live current from a thread of its own
     (collector/liveness.py; fields `schema.LiveField`): a monitor tells a dead rank from a stuck one within a heartbeat
     interval instead of a part-file interval. Each write is one in-place `pwrite` of under 1 KiB."""
     liveness_poll_s: float = 0.05

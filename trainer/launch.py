@@ -3,7 +3,9 @@
 Ranks are spawned with ``torch.multiprocessing.start_processes(..., join=False)`` and joined by polling. When a
 rank fails, the survivors get `failure_grace_s` to fail on their own (so they record which collective broke
 under them); then the launcher sends SIGTERM (the collector records it and flushes) and, after `term_grace_s`,
-SIGKILL. A rendezvous TCPStore lives in the launcher, on a port the OS picks.
+SIGKILL. A rendezvous TCPStore lives in the launcher, on a port the OS picks. The moment the launcher sees a rank's
+process end it writes <run>/live/exit-<r>.json (`_ExitRecords`), the host agent's half of the liveness channel
+(docs/liveness.md).
 """
 
 from __future__ import annotations

@@ -439,3 +439,16 @@ def test_liveness_ids_are_distinct_from_the_part_file_detectors_and_same_fault_l
     assert same_fault(live, hang)  # a frozen rank may read as either
     live_hang = replace(live, klass=IncidentClass.HANG)
     assert same_fault(live_hang, hang) and not same_fault(live_hang, replace(hang, onset_step=40, id=""))
+
+
+def test_docs_list_every_liveness_field() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "liveness.md").read_text()
+    for name in [*LiveField, *ExitField, *LiveState]:
+        assert f"`{name}`" in doc, name
+
+
+def test_the_view_renders_one_line_per_rank() -> None:
+    view = classify([rec(r, at=10.0) for r in (0, 1, 3)] + [rec(2, at=9.95)], [exit_(2, at=10.05, sig=9)], now(10.1))
+    lines = view.table().splitlines()
+    assert len(lines) == 1 + WORLD and lines[3].split()[:2] == ["2", "stopped"] and "SIGKILL" in lines[3]
+    assert view.line() == "attempt 0, 4 ranks: 3 running, 1 stopped"
