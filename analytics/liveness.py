@@ -214,15 +214,15 @@ class _Torn(Exception):
     """A rank record read while being written (or otherwise not a whole frame)."""
 
 
-def _field(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, *, required: bool = False) -> Any:
+def _field(d: Mapping[str, Any], key: str, kind: type, where: str, *, required: bool = False) -> Any:
     value = d.get(key)
+    if type(value) is kind:  # the common case first: this runs ~20 times per record read
+        return value
     if value is None:
         if required:
             raise RunDirError(f"{where}: liveness record without `{key}`")
         return None
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise RunDirError(f"{where}: liveness record field `{key}` is {value!r}, not {kind}")
-    return value
+    raise RunDirError(f"{where}: liveness record field `{key}` is {value!r}, not {kind.__name__}")
 
 
 def _version(d: Mapping[str, Any], where: str) -> None:
@@ -757,6 +757,8 @@ class LivenessMonitor:
         self._changed: dict[tuple[int, str], tuple[tuple[int | None, int, int | None], int]] = {}
         """(rank, what) -> ((pid, attempt, seq or last step), monitor time that value was first read)."""
         self._open: dict[str, Incident] = {}
+        self._raw: dict[str, bytes] = {}
+        """path -> the bytes last decoded from it (an unchanged file is not decoded again)."""
         self.polls = 0
 
     @property
@@ -804,46 +806,60 @@ class LivenessMonitor:
             if name.startswith(RANK_RECORD_PREFIX) and name.endswith(RANK_RECORD_SUFFIX):
                 rank = _rank_of(name, RANK_RECORD_PREFIX, RANK_RECORD_SUFFIX)
                 if rank is not None:
-                    rec = self._read_rank(Path(entry.path), warnings)
+                    rec = self._read_rank(entry.path, warnings)
                     if rec is not None:
                         self._records[rank] = rec
             elif name.startswith(EXIT_RECORD_PREFIX) and name.endswith(EXIT_RECORD_SUFFIX):
                 rank = _rank_of(name, EXIT_RECORD_PREFIX, EXIT_RECORD_SUFFIX)
                 if rank is not None:
-                    ex = self._read_exit(Path(entry.path), warnings)
+                    ex = self._read_exit(entry.path, warnings)
                     if ex is not None:
                         self._exits[rank] = ex
         return warnings
 
-    def _read_rank(self, path: Path, warnings: list[str]) -> RankRecord | None:
+    def _bytes(self, path: str, warnings: list[str]) -> bytes | None:
+        """The file's bytes, or None when they are what this monitor read last time (nothing to decode), or when the
+        file is gone, empty (created, not yet written) or unreadable (a warning)."""
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None  # replaced or removed between listing and reading: keep the one held
+        except OSError as exc:
+            warnings.append(f"{path}: unreadable ({exc}); the previous record is kept")
+            return None
+        if not data or self._raw.get(path) == data:
+            return None
+        return data
+
+    def _read_rank(self, path: str, warnings: list[str]) -> RankRecord | None:
         for _ in range(2):
-            try:
-                data = path.read_bytes()
-            except FileNotFoundError:
-                return None  # replaced or removed between listing and reading: keep the one held
-            except OSError as exc:
-                warnings.append(f"{path}: unreadable ({exc}); the previous record is kept")
+            data = self._bytes(path, warnings)
+            if data is None:
                 return None
-            if not data:
-                return None  # created, not yet written
             try:
-                return decode_rank_record(data, str(path))
+                rec = decode_rank_record(data, path)
             except _Torn:
                 continue
+            self._raw[path] = data
+            return rec
         warnings.append(f"{path}: caught mid-write twice (length or CRC does not hold); the previous record is kept")
         return None
 
-    def _read_exit(self, path: Path, warnings: list[str]) -> ExitRecord | None:
-        try:
-            d = json.loads(path.read_bytes())
-        except FileNotFoundError:
+    def _read_exit(self, path: str, warnings: list[str]) -> ExitRecord | None:
+        data = self._bytes(path, warnings)
+        if data is None:
             return None
-        except (OSError, ValueError) as exc:
+        try:
+            d = json.loads(data)
+        except ValueError as exc:
             warnings.append(f"{path}: not a whole exit record ({type(exc).__name__}); left out for now")
             return None
         if not isinstance(d, dict):
             raise RunDirError(f"{path}: exit record is not a JSON object")
-        return parse_exit_record(d, str(path))
+        ex = parse_exit_record(d, path)
+        self._raw[path] = data
+        return ex
 
 
 def _rank_of(name: str, prefix: str, suffix: str) -> int | None:
