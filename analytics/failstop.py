@@ -198,6 +198,40 @@ def _blocked(frames: Frames, start: pl.DataFrame, now: int, block: int) -> pl.Da
     return rows.unique(["rank", "group", "group_seq"], keep="first", maintain_order=True)
 
 
+def _stuck_by_order(edges: pl.DataFrame, entered: pl.DataFrame) -> set[int]:
+    """Ranks stuck inside a collective that its other members left, told by the order of blocking. A member blocked
+    elsewhere since before a rank entered its collective cannot have got past that collective (it would have had to
+    be inside it): a definite wait, as is every point-to-point wait on a peer blocked elsewhere. A member blocked
+    only since later may have got past it. A rank with no definite wait is stuck when each member it may be waiting
+    for waits, through definite waits, on it, or waits on nobody (blocked where every member is present): they are
+    past it, waiting for what it never did."""
+    import numpy as np
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import breadth_first_order
+
+    e = edges.join(entered.rename({"rank": "m", "_t": "_m_t"}), on="m", how="left").with_columns(
+        (pl.col("_p2p") | (pl.col("_m_t").fill_null(0) < pl.col("wall_ns"))).alias("_definite"))
+    sure, maybe = e.filter(pl.col("_definite")), e.filter(~pl.col("_definite"))
+    if maybe.height == 0:
+        return set()
+    candidates = set(int(r) for r in maybe["rank"].unique()) - set(int(r) for r in sure["rank"].unique())
+    if not candidates:
+        return set()
+    n = int(max(e["rank"].to_numpy().max(), e["m"].to_numpy().max())) + 1
+    pairs = sure.select("rank", "m").unique()
+    # reversed graph: from a rank to those that wait on it, so a search from r finds every rank whose waits reach r
+    back = coo_matrix((np.ones(pairs.height, dtype=np.int8), (pairs["m"].to_numpy(), pairs["rank"].to_numpy())),
+                      shape=(n, n)).tocsr()
+    waits = maybe.group_by("rank").agg(pl.col("m").unique())
+    out = set()
+    waiting = set(int(r) for r in e["rank"].unique())
+    for r, ms in waits.filter(pl.col("rank").is_in(list(candidates))).iter_rows():
+        reach = set(breadth_first_order(back, int(r), directed=True, return_predecessors=False).tolist())
+        if all(int(m) in reach or int(m) not in waiting for m in ms):
+            out.add(int(r))
+    return out
+
+
 def _named_peers(events: pl.DataFrame, errors: pl.DataFrame, world: int) -> pl.DataFrame:
     """(reporter, named, wall_ns): a rank named in another rank's exception or collective error message."""
     msgs = pl.concat([
@@ -291,7 +325,9 @@ def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame, silent: set[int], 
     """Roots of the wait graph. A blocked rank waits for each member of its operation's group that is not inside the
     same operation (group, group_seq) and has not completed the operation's step (for a point-to-point operation,
     its peer). The roots are: ranks waited for that are not blocked anywhere (dead, or stuck outside collectives);
-    else ranks blocked in an operation every other member of which got past (stuck inside it); else, in a cycle
+    else ranks blocked in an operation every other member of which got past (stuck inside it); else ranks blocked
+    in a collective each missing member of which has been blocked elsewhere only since later (it may have got past;
+    one blocked since before could not have), waiting on nobody for certain; else, in a cycle
     (a rank stuck inside an operation its peers left for the next one, in the same step), the ranks that blocked
     before every rank they wait for. On the device clock a host thread returns from a collective call once it is
     enqueued and waits at the next sync point instead, so a live member blocked nowhere may have got past it."""
@@ -306,6 +342,9 @@ def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame, silent: set[int], 
         is_p2p.alias("_p2p"),
     )
     present = ops.filter(~pl.col("_p2p")).select("group", "group_seq", pl.col("rank").alias("m")).unique()
+    # a member blocked in a later operation of the same group got past this one (it left for the next)
+    later = ops.filter(~pl.col("_p2p")).group_by("group", pl.col("rank").alias("m")).agg(
+        pl.col("group_seq").max().alias("_m_seq"))
     last = live.select(pl.col("rank").alias("m"), pl.col("last_step").alias("_m_last"))
     pairs = (
         ops.select("rank", "step", "group", "group_seq", "wall_ns", "_p2p", pl.col("_members").alias("m"))
@@ -313,8 +352,10 @@ def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame, silent: set[int], 
         .filter(pl.col("m").is_not_null() & (pl.col("m") != pl.col("rank")))
         .join(present, on=["group", "group_seq", "m"], how="anti")
         .join(last, on="m", how="left")
+        .join(later, on=["group", "m"], how="left")
         .with_columns((
             (pl.col("_m_last").fill_null(-1) >= pl.col("step"))
+            | (pl.col("_m_seq").fill_null(-1) > pl.col("group_seq"))
             | (pl.lit(device) & ~pl.col("m").is_in(list(waiting | silent)))
         ).alias("_passed"))
     )
@@ -329,6 +370,9 @@ def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame, silent: set[int], 
     if edges.height == 0:
         return set()
     entered = blocked.group_by("rank").agg(pl.col("wall_ns").min().alias("_t"))
+    stuck = _stuck_by_order(edges, entered)
+    if stuck:
+        return stuck
     first = (
         edges.select("rank", "m").unique()
         .join(entered.rename({"rank": "m", "_t": "_m_t"}), on="m", how="left")
@@ -338,6 +382,7 @@ def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame, silent: set[int], 
     )
     awaited = set(int(r) for r in edges["m"].unique())
     return set(int(r) for r in first["rank"]) & awaited
+
 
 
 def _by_position(frames: Frames, events: pl.DataFrame, stall: int) -> set[int]:

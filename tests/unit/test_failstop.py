@@ -225,3 +225,24 @@ def test_cuda_job_stalled_everywhere_culprit_is_where_no_other_rank_is() -> None
                           end_wall_ns=60 * S, clock=Clock.DEVICE)
     (inc,) = detect_failstops(frames)
     assert (inc.klass, inc.subject.id) == (IncidentClass.HANG, "3")
+
+
+def test_a_rank_stuck_in_a_pipeline_stage_is_the_one_hang_not_the_stages_waiting_on_it() -> None:
+    """Stage A = ranks 0, 1 (tensor group tA), stage B = ranks 2, 3 (tB); pipeline pairs 0-2 and 1-3. Rank 0 is stuck
+    inside tA (rank 1 left it and waits to receive from 3); rank 2 waits to receive 0's activations, rank 3 in tB
+    waits for 2. Every rank is blocked and each waits on another: the order of blocking says who is stuck (2 was
+    blocked before 3 entered tB, so 3 waits on it for certain; 1 only since after 0 entered tA: it may be past it,
+    and it waits, through certain waits, on 0). Once, a rule by entry time alone blamed 0 and 2."""
+    groups = {"tA": [0, 1], "tB": [2, 3], "p0": [0, 2], "p1": [1, 3]}
+
+    def op(rank: int, group: str, seq: int, t: float, kind: str = "all_reduce", peer: int | None = None
+           ) -> dict[str, object]:
+        return {"rank": rank, "step": 10, "op": kind, "group": group, "group_ranks": groups[group], "group_seq": seq,
+                "peer": peer, "enter_wall_ns": int(t * S)}
+
+    opened = pl.DataFrame([op(0, "tA", 5, 10.0), op(1, "p1", 8, 10.3, "recv", 3), op(2, "p0", 4, 9.8, "recv", 0),
+                           op(3, "tB", 5, 10.2)])
+    frames = Frames.build(steps=_steps(LAST), liveness=_liveness(LAST, {r: 60.0 for r in range(4)}),
+                          open_collectives=opened, end_wall_ns=60 * S)
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.id, inc.cause) == (IncidentClass.HANG, "0", Cause.STUCK_IN_COLLECTIVE)
