@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 DEMO_RUN_DIR = Path("runs/demo")
 
 
-def _train_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="run the canary job on N real ranks with the collector embedded")
-    p.add_argument("--nproc", type=int, required=True, help="number of ranks")
-    p.add_argument("--steps", type=int, required=True, help="training steps")
+def _job_args(p: argparse.ArgumentParser, *, required: bool) -> None:
+    """The canary job's flags (`train`, and `manager serve` when it launches the job itself)."""
+    p.add_argument("--nproc", type=int, required=required, help="number of ranks")
+    p.add_argument("--steps", type=int, required=required, help="training steps")
     p.add_argument("--run-dir", type=Path, required=True, help="where telemetry and checkpoints go")
     p.add_argument("--layout", default="", help="dp=N,tp=N,pp=N (product = --nproc; dp defaults to the rest)")
     p.add_argument("--hosts", type=int, default=1, help="virtual hosts the ranks are spread over")
@@ -40,30 +40,30 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="resume from the newest usable checkpoint in --run-dir (train on to --steps)")
     p.add_argument("--device-shift", type=int, default=0, metavar="K",
                    help="place local rank l on device slot (l+K) mod ranks-per-host (a restart on other GPUs)")
-    p.add_argument("--rollup-every", type=float, default=None, metavar="SECONDS",
-                   help="run a rollup agent for every virtual host while the job runs: merge each host's new rank "
-                        "part files into one host part per table every SECONDS (a monitor of many ranks reads fewer "
-                        "files); see `rankwatch rollup`")
     p.add_argument("--no-pin-buckets", action="store_true",
                    help="let DDP rebuild its gradient buckets after each process's first backward (a resume with "
                         "dp >= 4 is then not bitwise; replay verification says so)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True) on every rank")
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="run the canary job on N real ranks with the collector embedded")
+    _job_args(p, required=True)
+    p.add_argument("--rollup-every", type=float, default=None, metavar="SECONDS",
+                   help="run a rollup agent for every virtual host while the job runs: merge each host's new rank "
+                        "part files into one host part per table every SECONDS (a monitor of many ranks reads fewer "
+                        "files); see `rankwatch rollup`")
     p.add_argument("--supervise", type=int, default=0, metavar="N",
                    help="recover the job up to N times: after each attempt, analyze, decide the narrowest safe "
                         "recovery, preserve evidence and relaunch behind the consistency gate")
 
 
-def _train(args: argparse.Namespace) -> int:
+def _canary_config(args: argparse.Namespace) -> CanaryConfig:
     from rankwatch.trainer.canary import CanaryConfig
     from rankwatch.trainer.faults import Faults
-    from rankwatch.trainer.launch import launch
     from rankwatch.trainer.parallel import Layout
 
-    if args.rollup_every is not None and args.rollup_every <= 0:
-        raise ValueError(f"--rollup-every must be > 0 seconds, got {args.rollup_every}")
-    if args.supervise and args.rollup_every is not None:
-        raise ValueError("--rollup-every and --supervise: run `rankwatch rollup RUN_DIR --all` beside a supervised job")
-    cfg = CanaryConfig(
+    return CanaryConfig(
         run_dir=args.run_dir,
         steps=args.steps,
         layout=Layout.parse(args.layout, nproc=args.nproc),
@@ -82,6 +82,16 @@ def _train(args: argparse.Namespace) -> int:
         pin_ddp_buckets=not args.no_pin_buckets,
         deterministic_algorithms=args.deterministic,
     )
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rankwatch.trainer.launch import launch
+
+    if args.rollup_every is not None and args.rollup_every <= 0:
+        raise ValueError(f"--rollup-every must be > 0 seconds, got {args.rollup_every}")
+    if args.supervise and args.rollup_every is not None:
+        raise ValueError("--rollup-every and --supervise: run `rankwatch rollup RUN_DIR --all` beside a supervised job")
+    cfg = _canary_config(args)
     print(f"rankwatch train: {cfg.world_size} ranks ({cfg.layout}) on {cfg.hosts} host(s), {cfg.steps} steps -> {cfg.run_dir}")
     for spec in cfg.faults.specs():
         print(f"  fault {spec}")
@@ -451,6 +461,31 @@ def _rollup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _manager_parser(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser("manager", help="the recovery manager as a service (signed alerts in, recoveries out)")
+    msub = m.add_subparsers(dest="manager_command", required=True)
+    sv = msub.add_parser("serve", help="serve POST /alerts (Standard Webhooks signed), /alertmanager (evidence "
+                                       "only), GET /status; launch the job when --nproc/--steps are given")
+    _job_args(sv, required=False)
+    sv.add_argument("--listen", default="127.0.0.1:8787", metavar="HOST:PORT", help="loopback by default")
+    sv.add_argument("--secret-file", type=Path, required=True, help="the webhook secret (one line, whsec_...)")
+    sv.add_argument("--token-file", type=Path, default=None,
+                    help="bearer token an Alertmanager sends to /alertmanager (without it that path refuses all)")
+    sv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _manager(args: argparse.Namespace) -> int:
+    from rankwatch.trainer.service import serve
+
+    if (args.nproc is None) != (args.steps is None):
+        raise ValueError("--nproc and --steps go together (both: launch the job; neither: act on the run as "
+                         "<run>/run.json last recorded it)")
+    job = _canary_config(args) if args.nproc is not None else None
+    launch_kw = {"timeout_s": args.timeout} if args.timeout is not None else None
+    return serve(args.run_dir, listen=args.listen, secret_file=args.secret_file, token_file=args.token_file,
+                 job=job, launch_kw=launch_kw, log_level=args.log_level)
+
+
 def _telemetry(args: argparse.Namespace) -> int:
     _print_summary(args.run_dir)
     return 0
@@ -517,10 +552,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     li.add_argument("run_dir", type=Path)
     li.add_argument("--json", action="store_true")
     _rollup_parser(sub)
+    _manager_parser(sub)
     args = parser.parse_args(argv)
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
                 "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,
-                "evidence": _evidence, "recover": _recover, "rollup": _rollup, "lineage": _lineage}
+                "evidence": _evidence, "recover": _recover, "rollup": _rollup, "lineage": _lineage,
+                "manager": _manager}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # bad input: one line, no traceback

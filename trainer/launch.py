@@ -66,7 +66,7 @@ class LaunchResult:
         return tuple(r for r, c in enumerate(self.exit_codes) if c != 0)
 
 
-def _record_launch(cfg: CanaryConfig) -> int:
+def record_launch(cfg: CanaryConfig) -> int:
     """Append this launch to <run>/run.json; returns its attempt number."""
     path = Path(cfg.run_dir) / RUN_FILE
     doc: dict[str, Any] = {"launches": read_launches(Path(cfg.run_dir), missing_ok=True)}
@@ -100,6 +100,7 @@ def _record_launch(cfg: CanaryConfig) -> int:
             "resume": cfg.resume,
             "resume_from": cfg.resume_from,
             "device_shift": cfg.device_shift,
+            "slots_per_host": cfg.slots_per_host,
             "pin_ddp_buckets": cfg.pin_ddp_buckets,
             "deterministic_algorithms": cfg.deterministic_algorithms,
             # what decides the numerics beyond the config: a resume that changes one is CHANGED in the lineage
@@ -139,7 +140,7 @@ def launch(
     elif run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"{run_dir}: not a directory")
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = replace(cfg, attempt=_record_launch(cfg))
+    cfg = replace(cfg, attempt=record_launch(cfg))
     grace = cfg.pg_timeout_s + 5.0 if failure_grace_s is None else failure_grace_s
     store = dist.TCPStore("127.0.0.1", 0, cfg.world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=max(30.0, cfg.pg_timeout_s)))

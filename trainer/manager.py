@@ -47,9 +47,9 @@ from rankwatch.analytics.recovery import (
     Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, Idempotency, MembershipSupport,
     RecurrenceView, ScopeKind, Target, TargetKind, decide,
 )
-from rankwatch.collector.schema import LineageKind, Steps, Table
+from rankwatch.collector.schema import ChangeReason, LineageKind, Steps, Table
 from rankwatch.collector.sink import partition_dir
-from rankwatch.trainer.canary import CanaryConfig
+from rankwatch.trainer.canary import CanaryConfig, place_off, placement
 from rankwatch.trainer.catalog import CHECKPOINT_DIR, Verdict, checkpoint_id, list_checkpoints
 from rankwatch.trainer.evidence import preserve_evidence
 from rankwatch.trainer.faults import Faults
@@ -63,8 +63,8 @@ from rankwatch.trainer.resume import last_completed_step
 
 __all__ = [
     "QUARANTINE_FILE", "RECOVERY_DIR", "Decided", "JobDeclaration", "RecoveryPlan", "RecoveryRecord", "Supervised",
-    "apply", "assess", "canary_declaration", "catalog_view", "config_from_run", "plan_recovery", "quarantined",
-    "recurrence_from", "supervise",
+    "apply", "assess", "canary_declaration", "catalog_view", "config_from_run", "place_off_quarantine",
+    "plan_recovery", "quarantined", "recurrence_from", "supervise",
 ]
 
 RECOVERY_DIR = "recovery"
@@ -290,10 +290,12 @@ class RecoveryRecord:
     """Checkpoint directories moved out of the catalog (as '<old name> -> <new name>')."""
     relaunch: LaunchResult | None
     outcome: str
+    refused: str = ""
+    """Why the relaunch was refused (outcome relaunch_refused): what the quarantine list leaves no room for."""
 
     @property
     def ok(self) -> bool:
-        return self.relaunch is None or self.relaunch.ok
+        return self.outcome != Outcome.RELAUNCH_REFUSED and (self.relaunch is None or self.relaunch.ok)
 
 
 class Outcome(StrEnum):
@@ -301,6 +303,8 @@ class Outcome(StrEnum):
     QUARANTINED = "quarantined"
     RECOVERED = "recovered"
     RELAUNCH_FAILED = "relaunch_failed"
+    RELAUNCH_REFUSED = "relaunch_refused"
+    """Nothing left to place the job on off the quarantine list: not relaunched."""
 
 
 def quarantined(run_dir: Path) -> tuple[dict[str, Any], ...]:
@@ -342,6 +346,33 @@ def _quarantine(run_dir: Path, plan: RecoveryPlan, rid: str) -> tuple[str, ...]:
         done.append(str(target))
     _write_json(run_dir / QUARANTINE_FILE, {"entries": entries})
     return tuple(done)
+
+
+def place_off_quarantine(run_dir: Path, cfg: CanaryConfig, *, say: Callable[[str], None] = lambda _: None
+                         ) -> CanaryConfig:
+    """`cfg` placed off every device and host on the run's quarantine list (`canary.place_off`); each quarantined
+    device a rank leaves is recorded in lineage as replaced (CHANGED: hardware; another device is not assumed
+    bitwise alike), and each move said. `cfg` itself when it uses nothing quarantined (so calling this on a placed
+    config records nothing again). ValueError naming what is left when nothing is."""
+    entries = quarantined(run_dir)
+    devices = {str(e["id"]) for e in entries if e.get("kind") == str(TargetKind.DEVICE)}
+    hosts = {str(e["id"]) for e in entries if e.get("kind") == str(TargetKind.HOST)}
+    if not devices and not hosts:
+        return cfg
+    placed, moves = place_off(cfg, devices=devices, hosts=hosts)
+    if not moves:
+        return cfg
+    for line in moves:
+        say(f"placement off the quarantine list: {line}")
+    before, after = placement(cfg), placement(placed)
+    book = Lineage(lineage_path(run_dir))
+    for rank, (_, _, uuid) in before.items():
+        if uuid in devices:
+            book.append(NewEntry(kind=LineageKind.DEVICE_REPLACED, verdict=LineageVerdict.changed(
+                ChangeReason.HARDWARE, note="another physical device; bitwise identity is not assumed"),
+                details=Details(old_device=uuid, new_device=after[rank][2],
+                                text=f"rank {rank} placed off quarantined {uuid}: " + "; ".join(moves))))
+    return placed
 
 
 def _retire(run_dir: Path, checkpoint: CheckpointRef | None, rid: str) -> tuple[str, ...]:
@@ -390,9 +421,10 @@ def apply(
         say(f"{rid}: evidence for {d.incident.id}: {len(b.files)} file(s) in {b.path}")
     done = _quarantine(run_dir, plan, rid) if plan.quarantines else ()
     for q in done:
-        say(f"{rid}: quarantined {q} (a virtual canary placement cannot move; a scheduler must exclude it)")
+        say(f"{rid}: quarantined {q} (every later launch of this run is placed off it)")
     retired: tuple[str, ...] = ()
     result: LaunchResult | None = None
+    refused = ""
     if plan.relaunch:
         retired = _retire(run_dir, plan.checkpoint, rid)
         for r in retired:
@@ -411,14 +443,22 @@ def apply(
             again = replace(cfg, faults=faults, resume=False, resume_from=None)
         else:
             again = replace(cfg, faults=faults, resume=True, resume_from=plan.checkpoint.id)
-        say(f"{rid}: relaunching {again.world_size} ranks from "
-            f"{plan.checkpoint.id if plan.checkpoint else 'step 0'}")
-        result = launcher(again, **launch_kw)
-        outcome = Outcome.RECOVERED if result.ok else Outcome.RELAUNCH_FAILED
+        try:
+            again = place_off_quarantine(run_dir, again, say=lambda m: say(f"{rid}: {m}"))
+        except ValueError as exc:
+            refused = f"{exc}"
+        if refused:
+            say(f"{rid}: relaunch refused: {refused}")
+            outcome = Outcome.RELAUNCH_REFUSED
+        else:
+            say(f"{rid}: relaunching {again.world_size} ranks from "
+                f"{plan.checkpoint.id if plan.checkpoint else 'step 0'}")
+            result = launcher(again, **launch_kw)
+            outcome = Outcome.RECOVERED if result.ok else Outcome.RELAUNCH_FAILED
     else:
         outcome = Outcome.QUARANTINED if done else Outcome.OBSERVED
     record = RecoveryRecord(id=rid, plan=plan, evidence=tuple(evidence), quarantined=done, retired=retired,
-                            relaunch=result, outcome=str(outcome))
+                            relaunch=result, outcome=str(outcome), refused=refused if plan.relaunch else "")
     _write_json(run_dir / RECOVERY_DIR / f"{rid}.json", _record_json(record))
     return record
 
@@ -446,6 +486,7 @@ def _record_json(r: RecoveryRecord) -> dict[str, Any]:
         "relaunch": None if r.relaunch is None else {"exit_codes": list(r.relaunch.exit_codes),
                                                      "duration_s": round(r.relaunch.duration_s, 3)},
         "outcome": r.outcome,
+        "refused": r.refused or None,
     }
 
 
@@ -495,7 +536,9 @@ def supervise(
             break
         rec = apply(cfg, plan, launcher=launcher, say=say, **launch_kw)
         records.append(rec)
-        assert rec.relaunch is not None
+        if rec.relaunch is None:  # placement refused: nothing left off the quarantine list
+            stopped = f"{rec.id}: relaunch refused (nothing left to place the job on off the quarantine list)"
+            break
         result = rec.relaunch
         if not result.ok and not _trained(Path(cfg.run_dir)):
             stopped = f"{rec.id}: relaunch failed before training (the consistency gate refused, or nothing loads)"
@@ -533,7 +576,8 @@ def config_from_run(run_dir: Path) -> CanaryConfig:
             pg_timeout_s=float(last["pg_timeout_s"]), fingerprint_every=int(last["fingerprint_every"]),
             flush_interval_s=float(last["flush_interval_s"]), heartbeat_interval_s=float(last["heartbeat_interval_s"]),
             gpu_interval_s=float(last["gpu_interval_s"]), backend=last["backend"],
-            device_shift=int(last.get("device_shift", 0)), grad_norm=bool(last.get("grad_norm", True)),
+            device_shift=int(last.get("device_shift", 0)), slots_per_host=int(last.get("slots_per_host", 0)),
+            grad_norm=bool(last.get("grad_norm", True)),
             pin_ddp_buckets=bool(last.get("pin_ddp_buckets", True)),
             deterministic_algorithms=bool(last.get("deterministic_algorithms", False)),
         )

@@ -66,14 +66,11 @@ from typing import Any
 
 from rankwatch.analytics.incidents import Incident, IncidentClass
 from rankwatch.analytics.recovery import Action, TargetKind
-from rankwatch.collector.schema import ChangeReason, LineageKind
-from rankwatch.trainer.canary import CanaryConfig, place_off, placement
+from rankwatch.trainer.canary import CanaryConfig
 from rankwatch.trainer.launch import LaunchResult, launch
-from rankwatch.trainer.lineage import Details, Lineage, NewEntry, lineage_path
-from rankwatch.trainer.lineage import Verdict as LineageVerdict
 from rankwatch.trainer.manager import (
-    RECOVERY_DIR, RecoveryPlan, apply, assess, canary_declaration, catalog_view, config_from_run, plan_recovery,
-    quarantined,
+    RECOVERY_DIR, RecoveryPlan, apply, assess, canary_declaration, catalog_view, config_from_run, place_off_quarantine,
+    plan_recovery,
 )
 from rankwatch.trainer.runfile import read_launches
 
@@ -273,10 +270,10 @@ class FakeLauncher(Launcher):
 
     def __call__(self, cfg: CanaryConfig, *, stop: threading.Event, on_start: Callable[[tuple[int, ...]], None],
                  **kw: Any) -> LaunchResult:
-        from rankwatch.trainer.launch import _record_launch  # the real run.json record, not a look-alike
+        from rankwatch.trainer.launch import record_launch  # the real run.json record, not a look-alike
 
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        _record_launch(cfg)
+        record_launch(cfg)
         self.calls.append(cfg)
         step = self._script.pop(0) if self._script else "ok"
         pids = tuple(range(1000, 1000 + cfg.world_size))
@@ -691,34 +688,15 @@ class Manager:
         return result
 
     def _placed(self, cfg: CanaryConfig) -> CanaryConfig:
-        """`cfg` off every quarantined device and host of the virtual topology (`canary.place_off`), each vacated
-        quarantined device recorded in lineage as replaced (CHANGED: hardware). PlacementRefused when nothing is
-        left: the attempt is not launched."""
-        entries = quarantined(self.run_dir)
-        devices = {str(e["id"]) for e in entries if e.get("kind") == str(TargetKind.DEVICE)}
-        hosts = {str(e["id"]) for e in entries if e.get("kind") == str(TargetKind.HOST)}
-        if not devices and not hosts:
-            return cfg
+        """`cfg` off every quarantined device and host of the virtual topology (`manager.place_off_quarantine`).
+        PlacementRefused when nothing is left: the attempt is not launched."""
         try:
-            placed, moves = place_off(cfg, devices=devices, hosts=hosts)
+            return place_off_quarantine(self.run_dir, cfg, say=lambda m: log.info("%s", m))
         except ValueError as exc:
             with self._lock:
                 self._state = JobState.FAILED
             log.error("placement refused: %s", exc)
             raise PlacementRefused(f"placement refused: {exc}") from None
-        if not moves:
-            return cfg
-        for line in moves:
-            log.info("placement off the quarantine list: %s", line)
-        before, after = placement(cfg), placement(placed)
-        book = Lineage(lineage_path(self.run_dir))
-        for rank, (_, _, uuid) in before.items():
-            if uuid in devices:
-                book.append(NewEntry(kind=LineageKind.DEVICE_REPLACED, verdict=LineageVerdict.changed(
-                    ChangeReason.HARDWARE, note="another physical device; bitwise identity is not assumed"),
-                    details=Details(old_device=uuid, new_device=after[rank][2],
-                                    text=f"rank {rank} placed off quarantined {uuid}: " + "; ".join(moves))))
-        return placed
 
     # ----------------------------------------------------------------------------------------------- worker
 
@@ -786,6 +764,11 @@ class Manager:
                 return f"covered by {covering}: nothing new to act on", covering
             return f"nothing to recover ({plan.lines()[-1]}); the job stays {before}", None
         rec = apply(cfg, plan, launcher=self._run_attempt, say=lambda s: log.info("%s", s))
+        if rec.refused:  # nothing left to place the job on off the quarantine list (the record says so)
+            with self._lock:
+                self._state = JobState.FAILED
+            log.error("placement refused: %s", rec.refused)
+            raise PlacementRefused(f"{rec.id}: placement refused: {rec.refused}")
         with self._lock:
             if self._state is JobState.RECOVERING:  # no relaunch (quarantine only)
                 self._state = before
@@ -800,23 +783,11 @@ class Manager:
 
 
 def read_secret(path: Path) -> str:
-    """The signing secret file: one line "whsec_<base64>" (>= 24 bytes). ValueError naming the file otherwise."""
-    import base64
-    import binascii
+    """The signing secret file: one line "whsec_<base64>" (>= 24 bytes); the sender's parser
+    (`analytics.alerts.load_secret`), so both sides read the file alike. ValueError naming the file otherwise."""
+    from rankwatch.analytics.alerts import load_secret
 
-    try:
-        text = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"{path}: unreadable secret file ({exc.strerror})") from None
-    if not text.startswith("whsec_"):
-        raise ValueError(f"{path}: not a webhook secret (expected one line 'whsec_<base64>')")
-    try:
-        raw = base64.b64decode(text.removeprefix("whsec_") + "==")
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{path}: the secret after 'whsec_' is not base64") from None
-    if len(raw) < 24:
-        raise ValueError(f"{path}: secret of {len(raw)} bytes; at least 24 are needed")
-    return text
+    return load_secret(path)
 
 
 def _app(manager: Manager, *, secret: str, token: str | None, max_body: int) -> Any:

@@ -185,3 +185,28 @@ def test_recover_command_on_a_folder_that_is_no_run_is_one_line(tmp_path: Path, 
     assert main(["recover", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"rankwatch recover: error: {tmp_path / RUN_FILE}: no run file — not a canary run directory"]
+
+
+def test_apply_relaunches_off_the_quarantine_list_or_refuses_and_says_so(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from rankwatch.collector.gpu import replay_uuid
+    from rankwatch.trainer.canary import placement
+
+    cfg = _run(tmp_path, ())
+    bad = replay_uuid("host0", 1)  # rank 1's device
+    (cfg.run_dir / QUARANTINE_FILE).write_text(json.dumps({"entries": [{"kind": "device", "id": bad}]}))
+    plan = plan_recovery([_inc(IncidentClass.CORRUPTION, onset=2)], job=CANARY, catalog=CheckpointCatalogView())
+    spare = replace(cfg, slots_per_host=3)
+    launcher = FakeLauncher()
+    rec = apply(spare, plan, launcher=launcher)
+    [again] = launcher.calls
+    assert bad not in {u for _, _, u in placement(again).values()} and rec.outcome == "recovered" and rec.ok
+    replaced = [e for e in read(lineage_path(cfg.run_dir)) if e.kind is LineageKind.DEVICE_REPLACED]
+    assert [e.details.old_device for e in replaced] == [bad]
+    # two ranks on a two-slot host: every placement touches the quarantined device
+    launcher = FakeLauncher()
+    rec = apply(cfg, plan, launcher=launcher)
+    assert not launcher.calls and rec.outcome == "relaunch_refused" and not rec.ok and "quarantined" in rec.refused
+    doc = json.loads((cfg.run_dir / RECOVERY_DIR / f"{rec.id}.json").read_text())
+    assert doc["outcome"] == "relaunch_refused" and doc["relaunch"] is None and doc["refused"]

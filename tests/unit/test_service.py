@@ -405,7 +405,7 @@ def test_read_secret_says_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least 24"):
         read_secret(f)
     f.write_text("hunter2")
-    with pytest.raises(ValueError, match="not a webhook secret"):
+    with pytest.raises(ValueError, match="does not start with 'whsec_'"):
         read_secret(f)
 
 
