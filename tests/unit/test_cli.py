@@ -134,3 +134,55 @@ def test_evidence_of_analyzed_incidents(tmp_path: Path, capsys: pytest.CaptureFi
     assert sorted(p.name for p in (bundle / "telemetry" / "steps").iterdir()) == ["rank=5"]  # the affected rank only
     assert len(list((bundle / "telemetry" / "events").iterdir())) == 16  # events of every rank
     assert main(["evidence", str(out), "--incident", "nope"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_watch_sends_each_incident_signed_to_the_webhook_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`watch --webhook`: the straggler of a simulated run reaches a real loopback receiver once, as a verified
+    Standard Webhooks request with an Alertmanager-v4 body; a second monitor on the same outbox sends it again never."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from standardwebhooks.webhooks import Webhook
+
+    out = tmp_path / "sim"
+    assert main(["simulate", "--ranks", "16", "--hosts", "2", "--layout", "dp=4,tp=2,pp=2", "--steps", "60",
+                 "--out", str(out), "--fault", "straggler:rank=5,from=30,slow=0.3", "--no-phases"]) == 0
+    secret = tmp_path / "secret"
+    assert main(["webhook-secret", str(secret)]) == 0
+    assert main(["webhook-secret", str(secret)]) == 2  # never overwritten
+    hook = Webhook(secret.read_text().strip())
+    got: list[dict[str, object]] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            hook.verify(body, {k.lower(): v for k, v in self.headers.items()})  # raises on a bad signature
+            got.append({"id": self.headers["webhook-id"], **json.loads(body)})
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/alerts"
+    try:
+        capsys.readouterr()
+        argv = ["watch", str(out), "--window", "40", "--every", "0", "--count", "2", "--no-anomaly", "--poll", "0.05",
+                "--webhook", url, "--secret-file", str(secret)]
+        assert main(argv) == 0
+        assert main(argv) == 0  # a restarted monitor: the outbox remembers what was sent
+    finally:
+        server.shutdown()
+        server.server_close()
+    firing = [m for m in got if m["type"] == "incident.firing"]
+    assert len(firing) == 1 and len({m["id"] for m in got}) == len(got)
+    (m,) = firing
+    assert m["version"] == "4" and m["status"] == "firing"
+    (alert,) = m["alerts"]  # type: ignore[misc]
+    assert alert["labels"]["class"] == "straggler" and alert["labels"]["rank"] == "5"
+    assert all(isinstance(v, str) for v in alert["annotations"].values())
+    assert "no decisions sent" in capsys.readouterr().err  # a simulated run records no launch: incidents only
