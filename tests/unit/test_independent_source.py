@@ -17,7 +17,7 @@ from rankwatch.collector.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from independent import HELDOUT_SEEDS, TUNE_SEEDS, Scenario, generate, scenarios  # noqa: E402
+from independent import HELDOUT2_SEEDS, HELDOUT_SEEDS, TUNE_SEEDS, Scenario, generate, scenarios  # noqa: E402
 from independent import phenomena  # noqa: E402
 from independent.noise import healthy  # noqa: E402
 from independent.tables import Builder  # noqa: E402
@@ -87,6 +87,7 @@ def test_generation_is_deterministic(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 def test_suite_splits_and_coverage() -> None:
     assert not set(TUNE_SEEDS) & set(HELDOUT_SEEDS)
+    assert not (set(TUNE_SEEDS) | set(HELDOUT_SEEDS)) & set(HELDOUT2_SEEDS)
     for timing in ("cpu", "gpu"):
         tune, held = scenarios("tune", timing), scenarios("heldout", timing)
         assert {s.seed for s in tune} <= set(TUNE_SEEDS) and {s.seed for s in held} <= set(HELDOUT_SEEDS)
