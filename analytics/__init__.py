@@ -1,6 +1,7 @@
 """rankwatch.analytics: DuckDB over the telemetry; the frames detectors read; the detectors; incidents; and
-localization of recurring faults across runs."""
+localization of recurring faults across runs; liveness in seconds from the ranks' records; signed alert webhooks."""
 
+from rankwatch.analytics.alerts import AlertConfigError, AlertSender, AlertTracker, Outbox
 from rankwatch.analytics.analyze import Analysis, AnalysisConfig, analyze, detect_all, render_incidents, write_analysis
 from rankwatch.analytics.anomaly import AnomalyConfig, detect_anomalies
 from rankwatch.analytics.corruption import CorruptionConfig, detect_corruption
@@ -8,8 +9,10 @@ from rankwatch.analytics.divergence import DivergenceConfig, detect_divergence
 from rankwatch.analytics.errors import AnalyticsError, RunDirError, SchemaVersionError
 from rankwatch.analytics.failstop import FailStopConfig, detect_failstops
 from rankwatch.analytics.frames import Frames
+from rankwatch.analytics.hardware import HardwareConfig, attribute_device_faults
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind, read_incidents
 from rankwatch.analytics.live import LiveAnalyzer, LiveConfig
+from rankwatch.analytics.liveness import LivenessConfig, LivenessMonitor, LivenessView, RankState, same_fault
 from rankwatch.analytics.localize import FollowsKind, Localization, QuarantineCandidate, RunObservation, localize
 from rankwatch.analytics.queries import load_frames
 from rankwatch.analytics.recovery import (
@@ -20,6 +23,8 @@ from rankwatch.analytics.store import RunStore, TableSummary, connect, open_run,
 from rankwatch.analytics.straggler import StragglerConfig, detect_stragglers
 
 __all__ = [
+    "AlertConfigError", "AlertSender", "AlertTracker", "Outbox", "HardwareConfig", "attribute_device_faults",
+    "LivenessConfig", "LivenessMonitor", "LivenessView", "RankState", "same_fault",
     "Action", "CheckpointCatalogView", "CheckpointRef", "Decision", "GateResult", "GateVerdict", "Idempotency",
     "MembershipSupport", "RecurrenceView", "decide",
     "Analysis", "AnalysisConfig", "AnalyticsError", "AnomalyConfig", "Cause", "CorruptionConfig", "DivergenceConfig",

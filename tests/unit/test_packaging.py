@@ -58,6 +58,8 @@ EXPORTS = {
         "RollupError", "RollupResult", "list_parts", "rollup_all", "run_agent",
     },
     "rankwatch.analytics": {
+        "AlertConfigError", "AlertSender", "AlertTracker", "Outbox", "HardwareConfig", "attribute_device_faults",
+        "LivenessConfig", "LivenessMonitor", "LivenessView", "RankState", "same_fault",
         "Action", "CheckpointCatalogView", "CheckpointRef", "Decision", "GateResult", "GateVerdict", "Idempotency",
         "MembershipSupport", "RecurrenceView", "decide",
         "Analysis", "AnalysisConfig", "AnalyticsError", "AnomalyConfig", "Cause", "CorruptionConfig",
