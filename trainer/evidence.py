@@ -6,7 +6,9 @@
   ``since_wall_ns``), plus every rank's ``events`` and ``topology`` parts (small, and needed to read the others);
 - ``manifest.json`` of each named checkpoint, committed (``step-XXXXXXXX``) or unpublished (``.step-XXXXXXXX.tmp``),
   with the candidate's full directory listing and sizes (a half-written save is itself evidence);
-- ``run.json``, ``lineage.jsonl`` and ``analysis/incidents.json`` when present.
+- ``run.json``, ``lineage.jsonl`` and ``analysis/incidents.json`` when present;
+- every rank's liveness record and exit record (``live/``: where each rank was, in which collective, and how it
+  ended, at the moment of preserving).
 
 Part files are immutable once renamed into place, so they are hard-linked where the filesystem allows (a later
 rollback or retention that deletes the original leaves the link intact) and copied otherwise. Everything else can
@@ -33,7 +35,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from rankwatch.collector.schema import PARTITION_KEY, TELEMETRY_DIR, Table
+from rankwatch.collector.schema import LIVE_DIR, PARTITION_KEY, TELEMETRY_DIR, Table
 from rankwatch.trainer.catalog import CHECKPOINT_DIR, MANIFEST, sha256_file
 from rankwatch.trainer.runfile import RUN_FILE
 from rankwatch.trainer.lineage import LINEAGE_FILE
@@ -187,6 +189,11 @@ def preserve_evidence(
     copier.mutable(RUN_FILE)
     copier.mutable(LINEAGE_FILE)
     copier.mutable(f"{ANALYSIS_DIR}/{INCIDENTS_FILE}")
+    live = run_dir / LIVE_DIR
+    if live.is_dir():
+        for name in sorted(os.listdir(live)):
+            if not name.startswith("."):
+                copier.mutable(f"{LIVE_DIR}/{name}")
 
     files = tuple(sorted(copier.entries.values(), key=lambda f: f.path))
     preserved_sources = {f.source for f in files}

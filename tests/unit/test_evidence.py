@@ -251,3 +251,16 @@ def test_falls_back_to_copy_across_filesystems(tmp_path: Path, monkeypatch: pyte
     assert telemetry and all(f.method is Method.COPY for f in telemetry)
     assert all((b.path / f.path).stat().st_nlink == 1 for f in telemetry)
     assert verify_evidence(b.path) == ()
+
+
+def test_every_ranks_liveness_and_exit_record_is_preserved(tmp_path: Path) -> None:
+    make_run(tmp_path)
+    live = tmp_path / "live"
+    live.mkdir()
+    for name, data in (("rank-0.live", b"r0"), ("rank-1.live", b"r1"), ("exit-1.json", b'{"rank": 1}'),
+                       (".rank-2.tmp", b"half")):
+        (live / name).write_bytes(data)
+    b = preserve_evidence(tmp_path, incident_id="inc-1", ranks=[1])
+    kept = {s for s in sources(b) if s.startswith("live/")}
+    assert kept == {"live/rank-0.live", "live/rank-1.live", "live/exit-1.json"}
+    assert (b.path / "live" / "exit-1.json").read_bytes() == b'{"rank": 1}' and verify_evidence(b.path) == ()
