@@ -13,11 +13,7 @@ from typing import TYPE_CHECKING
 from rankwatch.trainer.faults import FAULT_HELP
 
 if TYPE_CHECKING:
-    import polars as pl
-
-    from rankwatch.analytics.alerts import DecisionFields
     from rankwatch.analytics.analyze import Analysis
-    from rankwatch.analytics.incidents import Incident
     from rankwatch.trainer.canary import CanaryConfig
 
 DEMO_RUN_DIR = Path("runs/demo")
@@ -311,138 +307,12 @@ def _localize(args: argparse.Namespace) -> int:
     return 0
 
 
-class _WatchAlerts:
-    """`watch --webhook`: each tick's incidents -> the policy's decisions (when the run records its launch) -> signed
-    messages in the durable outbox, delivered by a background sender (analytics.alerts)."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        from rankwatch.analytics.alerts import AlertSender, AlertTracker, outbox_path
-
-        self.run_dir = Path(args.run_dir)
-        self.sender = AlertSender.open(args.webhook, args.secret_file, outbox_path(self.run_dir),
-                                       say=lambda m: print(f"rankwatch watch: {m}", flush=True)).start()
-        self.tracker = AlertTracker(self.run_dir)
-        resumed = self.tracker.resume(e.message for e in self.sender.outbox.entries())
-        if resumed:
-            print(f"rankwatch watch: alerts: {resumed} message(s) of an earlier monitor taken back from the outbox")
-        self._layout_said = False
-
-    def _decisions(self, incidents: Sequence[Incident]) -> list[DecisionFields]:
-        from rankwatch.analytics.alerts import decision_fields
-        from rankwatch.trainer.manager import canary_declaration, catalog_view, config_from_run, plan_recovery
-
-        todo = self.tracker.undecided(incidents)
-        if not todo:
-            return []
-        try:
-            layout = config_from_run(self.run_dir).layout
-        except ValueError as exc:  # not a launched canary run (e.g. simulated): incidents only, said once
-            if not self._layout_said:
-                print(f"rankwatch watch: alerts: no decisions sent ({exc})", file=sys.stderr)
-                self._layout_said = True
-            return []
-        plan = plan_recovery(todo, job=canary_declaration(layout), catalog=catalog_view(self.run_dir, layout))
-        return [decision_fields(d.decision, run_dir=self.run_dir, incidents=[d.incident]) for d in plan.decided]
-
-    def tick(self, incidents: Sequence[Incident], topo: pl.DataFrame) -> None:
-        from rankwatch.analytics.alerts import placements
-
-        attempt = int(topo["attempt"].max()) if topo.height else None  # type: ignore[arg-type]
-        messages = self.tracker.update(incidents, self._decisions(incidents), recovered=_recovered(self.run_dir),
-                                       attempt=attempt, placement=placements(topo) if topo.height else None)
-        self.sender.submit_all(messages)
-
-    def close(self) -> None:
-        self.sender.submit_all(self.tracker.finish())
-        self.sender.flush(10.0)
-        print(f"rankwatch watch: alerts: {self.sender.stats()}")
-        self.sender.close()
-
-
-def _recovered(run_dir: Path) -> list[str]:
-    """The incident ids the recovery manager's records say it acted on."""
-    import json
-
-    out: list[str] = []
-    for rec in sorted((run_dir / "recovery").glob("recovery-*.json")):
-        try:
-            out.extend(str(i) for i in json.loads(rec.read_text())["incidents"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # a record being written; the next tick reads it
-    return out
-
-
 def _watch(args: argparse.Namespace) -> int:
-    import time
+    from rankwatch.monitor import Monitor
 
-    from rankwatch.analytics.analyze import render_incidents
-    from rankwatch.analytics.live import LiveAnalyzer, LiveConfig
-    from rankwatch.analytics.liveness import LivenessMonitor, same_fault
-    from rankwatch.analytics.queries import topology
-    from rankwatch.analytics.store import telemetry_dir
-
-    if args.poll <= 0 or args.every < 0:
-        raise ValueError(f"--poll {args.poll:g} must be > 0 and --every {args.every:g} >= 0 seconds")
-    if bool(args.webhook) != bool(args.secret_file):
-        raise ValueError("--webhook and --secret-file go together")
-    live = LiveAnalyzer(args.run_dir, LiveConfig(window_steps=args.window, anomaly=not args.no_anomaly))
-    monitor = LivenessMonitor(args.run_dir)
-    alerts = _WatchAlerts(args) if args.webhook else None
-    reported: set[str] = set()
-    warned: set[str] = set()
-    window: tuple[Incident, ...] = ()
-    ticks = 0
-    held = 0
-    next_refresh = 0.0
-    print(f"rankwatch watch: {args.run_dir}, latest {args.window} steps every {args.every:g}s, liveness every "
-          f"{args.poll:g}s" + (f", alerts to {args.webhook}" if alerts else "") + " (Ctrl-C to stop)", flush=True)
-    try:
-        while True:
-            first = monitor.polls == 0 and not monitor.live_dir.is_dir()
-            view = monitor.poll()
-            if first:  # a run whose collectors write no liveness records (older, or simulated): a note, not a fault
-                print(f"rankwatch watch: {monitor.live_dir}: no liveness records; fail-stops and hangs are seen at "
-                      "the part-file cadence until one appears", flush=True)
-                warned.update(view.warnings)
-            _say_warnings("watch", [w for w in view.warnings if w not in warned])
-            warned.update(view.warnings)
-            for inc in view.new:
-                print(f"[live] {inc.klass} {inc.subject}: {inc.summary}", flush=True)
-            for inc in view.resolved:
-                print(f"[live] resolved: {inc.klass} {inc.subject}", flush=True)
-            if time.monotonic() >= next_refresh:
-                next_refresh = time.monotonic() + args.every
-                new_parts = live.refresh()
-                held += new_parts
-                _say_warnings("watch", [w for w in live.warnings if w not in warned])
-                warned.update(live.warnings)
-                live.warnings.clear()
-                if not held and not ticks:
-                    _say_warnings("watch", [f"{telemetry_dir(args.run_dir)}: no telemetry part file read yet — "
-                                            "nothing to analyze (still waiting for the run's first flush?)"])
-                if new_parts:
-                    analysis = live.analyze()
-                    _say_warnings("watch", [w for w in analysis.warnings if w not in warned])
-                    warned.update(analysis.warnings)
-                    window = analysis.incidents
-                    fresh = [i for i in window if i.id not in reported
-                             and not any(same_fault(v, i) for v in view.incidents)]
-                    reported.update(i.id for i in window)
-                    took = sum(s for _, s in analysis.seconds)
-                    print(f"[{_steps_text(analysis)}] {new_parts} new part(s), {len(window)} incident(s) in the "
-                          f"window, {len(fresh)} new ({took:.1f}s)", flush=True)
-                    if fresh:
-                        print(render_incidents(fresh), flush=True)
-                ticks += 1
-            if alerts is not None:
-                confirmed = [i for i in window if not any(same_fault(v, i) for v in view.incidents)]
-                alerts.tick([*view.incidents, *confirmed], topology(live.con))
-            if args.count and ticks >= args.count:
-                return 0
-            time.sleep(args.poll)
-    finally:
-        if alerts is not None:
-            alerts.close()
+    Monitor(args.run_dir, window=args.window, every=args.every, poll=args.poll, anomaly=not args.no_anomaly,
+            webhook=args.webhook, secret_file=args.secret_file).run(count=args.count)
+    return 0
 
 
 def _webhook_secret(args: argparse.Namespace) -> int:
