@@ -64,6 +64,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from rankwatch.analytics.alerts import MessageType  # the wire's message types: the sender's, not a copy
 from rankwatch.analytics.incidents import Incident, IncidentClass
 from rankwatch.analytics.recovery import Action, TargetKind
 from rankwatch.trainer.canary import CanaryConfig
@@ -112,12 +113,6 @@ class Refusal(StrEnum):
     """A seen id with a different body (the same body again is a duplicate, answered 200, not a refusal)."""
     BAD_TOKEN = "bad_token"
     """/alertmanager without the bearer token (or no token configured)."""
-
-
-class MessageType(StrEnum):
-    FIRING = "incident.firing"
-    RESOLVED = "incident.resolved"
-    DECISION = "decision"
 
 
 class JobState(StrEnum):
