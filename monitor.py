@@ -231,6 +231,12 @@ class Monitor:
         finally:
             self.close()
 
+    def sent_bodies(self) -> list[bytes]:
+        """The bodies of every message in the outbox (sent or pending), in enqueue order; [] without a webhook."""
+        if self._alerts is None:
+            return []
+        return [e.message.body for e in self._alerts.sender.outbox.entries()]
+
     def close(self) -> None:
         """Send what is left (resolutions), flush the outbox (up to 10 s), stop the sender. Idempotent."""
         if self._closed:

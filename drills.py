@@ -1,0 +1,490 @@
+"""Fault drills: the whole live loop on a real canary, one fault at a time, timed and checked end to end.
+
+    run_drill("sigkill", workdir, say=print) -> DrillReport
+    run_drills(["sigkill", "sigstop"], workdir, say=print) -> tuple[DrillReport, ...]
+
+Each drill starts the recovery manager as a service (trainer.service.ManagerService on 127.0.0.1, port 0, a fresh
+webhook secret), which launches a small fast canary (4 gloo ranks, dp=4 over 2 virtual hosts, checkpoints every 10
+steps, fingerprints every 10); a `Monitor` (rankwatch.monitor) watches the run in a thread and sends its incidents
+and decisions to the service as signed webhooks. Then the drill injects one fault — from outside the job where it
+can (a signal to the rank's pid, which the service learned from the launcher) — and waits until the job finished,
+checking the chain: the detection (class and subject), the decision the service accepted (action, scope), the
+recovery record (<run>/recovery/*.json, its gate), the resume, and the final verdict: the recovered run's last
+fingerprints bitwise equal to those of a fault-free reference run of the same config (run once per workdir and
+cached there), or the lineage's reasons why not (trainer.promises.evaluate).
+
+Drills (DRILLS, in priority order):
+    sigkill     SIGKILL of rank 1 (a fail-stop): detected by the liveness records, the job restarted from a checkpoint
+    exit        rank 1 calls os._exit(1) inside the job (trainer.faults Exit; no outside signal can make a process
+                exit with a code of its choosing): a fail-stop, as above
+    sigstop     SIGSTOP of rank 1 (a hang): the service stops the job at once, not after the collective timeout
+    straggler   rank 2 sleeps 80 ms more per step (trainer.faults Slow): a straggler; the decision is observe, no
+                restart, the job finishes
+
+Times are seconds after the fault: to detect (the monitor's first incident naming the subject, on the monitor's
+clock), to decision (the service accepted a decision about it), to training again (the first step the new attempt
+completed, from its steps). The fault's instant is the signal for sigkill/sigstop, the exit record's wall clock for
+exit, and the first step the slow rank took with the delay for straggler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rankwatch.analytics.incidents import IncidentClass
+from rankwatch.monitor import Monitor
+from rankwatch.trainer.canary import CanaryConfig
+from rankwatch.trainer.faults import Faults
+from rankwatch.trainer.model import ModelConfig
+from rankwatch.trainer.parallel import Layout
+
+__all__ = ["DRILLS", "DrillReport", "DrillSpec", "drill_config", "read_report", "reference_fingerprints",
+           "report_json", "report_table", "run_drill", "run_drills", "write_report"]
+
+STEPS = 50
+"""Steps of every drill's canary (and of the reference run)."""
+VICTIM = 1
+"""The rank a fail-stop or hang drill takes down."""
+FAULT_AFTER = 22
+"""The fault comes once the victim completed this step (after the step-20 checkpoint)."""
+REPORT_FILE = "report.json"
+REFERENCE_DIR = "reference"
+REFERENCE_FILE = "reference.json"
+_FP_FIELDS = ("param_hash", "optim_hash", "rng_python_hash", "rng_numpy_hash", "rng_torch_hash", "data_position")
+_SMALL = ModelConfig(d_model=64, d_hidden=256, blocks_per_stage=2)
+_LAUNCH_KW: Mapping[str, Any] = {"timeout_s": 240.0, "failure_grace_s": 60.0, "term_grace_s": 2.0}
+"""A long failure grace (and the canary's 30 s collective timeout): only the service's stop ends an attempt fast."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DrillSpec:
+    name: str
+    what: str
+    klass: IncidentClass
+    """The class the monitor must detect."""
+    rank: int
+    """The rank it must name."""
+    relaunch: bool
+    """True: the decision must relaunch (a new attempt resumed from a checkpoint); False: observe, one attempt."""
+    faults: Faults = field(default_factory=Faults)
+    """Injected inside the job (the canary's fault injection); empty when the drill signals from outside."""
+    signal: int | None = None
+    """Sent to the rank's pid from outside once it completed FAULT_AFTER steps."""
+
+
+DRILLS: dict[str, DrillSpec] = {
+    "sigkill": DrillSpec(name="sigkill", what=f"SIGKILL of rank {VICTIM}", klass=IncidentClass.FAIL_STOP,
+                         rank=VICTIM, relaunch=True, signal=signal.SIGKILL),
+    "exit": DrillSpec(name="exit", what=f"os._exit(1) in rank {VICTIM} at step {FAULT_AFTER + 1}",
+                      klass=IncidentClass.FAIL_STOP, rank=VICTIM, relaunch=True,
+                      faults=Faults().exit(rank=VICTIM, step=FAULT_AFTER + 1, code=1)),
+    "sigstop": DrillSpec(name="sigstop", what=f"SIGSTOP of rank {VICTIM} (a hang)", klass=IncidentClass.HANG,
+                         rank=VICTIM, relaunch=True, signal=signal.SIGSTOP),
+    "straggler": DrillSpec(name="straggler", what=f"rank 2 80 ms slower a step from step {FAULT_AFTER}",
+                           klass=IncidentClass.STRAGGLER, rank=2, relaunch=False,
+                           faults=Faults().slow(rank=2, from_step=FAULT_AFTER, delay_s=0.08)),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DrillReport:
+    """One drill's chain, timed. Times are seconds after the fault; None where the step did not happen."""
+
+    name: str
+    fault: str
+    """What was injected."""
+    passed: bool
+    reason: str
+    """PASS: what held; FAIL: the first link of the chain that broke."""
+    detected: str | None = None
+    """"<class> <subject>" of the monitor's first incident naming the subject."""
+    detect_s: float | None = None
+    decision: str | None = None
+    """"<action> (<scope>)" of the decision the service accepted."""
+    decision_s: float | None = None
+    recovery: str | None = None
+    """"<recovery id>: <outcome>" of the recovery record; None for a drill that must not restart."""
+    gate: str | None = None
+    """The gate on the decision's path (e.g. "gate=none")."""
+    resume_from: str | None = None
+    """The checkpoint the new attempt resumed from."""
+    training_again_s: float | None = None
+    steps_lost: int | None = None
+    """Steps the fault's attempt completed that the new attempt trained again."""
+    attempts: int = 0
+    bitwise: bool | None = None
+    """The final fingerprints equal the reference run's (None: not compared)."""
+    run_dir: str = ""
+
+    @property
+    def verdict(self) -> str:
+        return "PASS" if self.passed else "FAIL"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "verdict": self.verdict}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> DrillReport:
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in doc.items() if k in names})
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+_COLUMNS = ("drill", "detected", "detect_s", "decision", "decision_s", "training_again_s", "steps_lost", "verdict")
+
+
+def _row(r: DrillReport) -> tuple[str, ...]:
+    return (r.name, r.detected or "-", _num(r.detect_s), r.decision or "-", _num(r.decision_s),
+            _num(r.training_again_s), "-" if r.steps_lost is None else str(r.steps_lost),
+            f"{r.verdict}: {r.reason}")
+
+
+def report_table(reports: Sequence[DrillReport]) -> str:
+    """One fixed-width row per drill under a header; the verdict column (last) carries the reason."""
+    rows = [_COLUMNS, *(_row(r) for r in reports)]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(_COLUMNS) - 1)]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows)
+
+
+def report_json(reports: Sequence[DrillReport]) -> dict[str, Any]:
+    return {"schema": 1, "passed": all(r.passed for r in reports) and bool(reports),
+            "drills": [r.to_dict() for r in reports]}
+
+
+def write_report(path: Path, reports: Sequence[DrillReport]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report_json(reports), indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_report(path: Path) -> tuple[DrillReport, ...]:
+    """A report.json back. ValueError naming the file when it is not one."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        return tuple(DrillReport.from_dict(d) for d in doc["drills"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a drill report ({type(exc).__name__}: {exc})") from None
+
+
+# ------------------------------------------------------------------------------------------------- the canary
+
+
+def drill_config(run_dir: Path, faults: Faults | None = None) -> CanaryConfig:
+    """The drills' canary: 4 gloo ranks (dp=4 over 2 virtual hosts), small model, liveness every 0.25 s, part files
+    every 0.5 s, a checkpoint every 10 steps, fingerprints every 10, a 30 s collective timeout."""
+    return CanaryConfig(run_dir=run_dir, steps=STEPS, layout=Layout.parse("dp=4", nproc=4), hosts=2,
+                        faults=faults or Faults(), gpu="replay", pg_timeout_s=30.0, flush_interval_s=0.5,
+                        heartbeat_interval_s=0.25, gpu_interval_s=0.1, model=_SMALL, checkpoint_every=10,
+                        fingerprint_every=10)
+
+
+def _final_fingerprints(run_dir: Path) -> dict[str, Any]:
+    """{"step": the last fingerprinted step, "ranks": {rank: {field: value}}} (the latest row of each rank)."""
+    from rankwatch.analytics.queries import fingerprints
+    from rankwatch.analytics.store import connect
+
+    fp = fingerprints(connect(run_dir))
+    if fp.height == 0:
+        raise ValueError(f"{run_dir}: no fingerprints")
+    last = int(fp["step"].max())  # type: ignore[arg-type]
+    rows = fp.filter(fp["step"] == last).to_dicts()
+    return {"step": last, "ranks": {str(r["rank"]): {k: r.get(k) for k in _FP_FIELDS} for r in rows}}
+
+
+def reference_fingerprints(workdir: Path, *, say: Callable[[str], None]) -> dict[str, Any]:
+    """The fault-free reference run's final fingerprints: run once per workdir (<workdir>/reference), then read
+    from <workdir>/reference.json."""
+    from rankwatch.trainer.launch import launch
+
+    cache = workdir / REFERENCE_FILE
+    if cache.is_file():
+        try:
+            doc: dict[str, Any] = json.loads(cache.read_text())
+            if doc.get("steps") == STEPS:
+                return doc
+        except ValueError:
+            pass
+    run_dir = workdir / REFERENCE_DIR
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    say(f"reference: a fault-free run of the drill config ({STEPS} steps) in {run_dir}")
+    t0 = time.monotonic()
+    result = launch(drill_config(run_dir), timeout_s=240.0, term_grace_s=2.0)
+    if not result.ok:
+        raise RuntimeError(f"{run_dir}: the reference run failed (exit codes {list(result.exit_codes)})")
+    doc = {"steps": STEPS, **_final_fingerprints(run_dir)}
+    cache.write_text(json.dumps(doc, indent=2) + "\n")
+    say(f"reference: done in {time.monotonic() - t0:.1f}s, final fingerprints at step {doc['step']}")
+    return doc
+
+
+# ------------------------------------------------------------------------------------------------- one drill
+
+
+class _Clock:
+    """The fault's instant on both clocks."""
+
+    def __init__(self) -> None:
+        self.mono: float | None = None
+        self.wall_ns: int | None = None
+
+    def mark(self, wall_ns: int | None = None) -> None:
+        now_wall, now_mono = time.time_ns(), time.monotonic()
+        self.wall_ns = now_wall if wall_ns is None else wall_ns
+        self.mono = now_mono - (now_wall - self.wall_ns) / 1e9
+
+    def since_wall(self, wall_ns: int | None) -> float | None:
+        return None if wall_ns is None or self.wall_ns is None else (wall_ns - self.wall_ns) / 1e9
+
+
+def _wait(pred: Callable[[], bool], timeout_s: float, what: str,
+          failed: Sequence[BaseException] = ()) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if failed:
+            raise RuntimeError(f"the monitor failed while waiting for {what}: {failed[0]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+def _steps(run_dir: Path) -> list[tuple[int, int, int, int]]:
+    """(attempt, min step, max step, first end wall ns) per attempt."""
+    from rankwatch.analytics.store import connect
+
+    return [tuple(int(x) for x in r) for r in connect(run_dir).execute(  # type: ignore[misc]
+        "SELECT attempt, min(step), max(step), min(end_wall_ns) FROM steps GROUP BY attempt ORDER BY attempt"
+    ).fetchall()]
+
+
+def _lineage_why(run_dir: Path) -> str:
+    from rankwatch.trainer.promises import evaluate
+
+    try:
+        v = evaluate(run_dir)
+    except ValueError as exc:
+        return f"lineage unreadable: {exc}"
+    return f"lineage: {v.comparability}" + (f" ({', '.join(map(str, v.reasons))})" if v.reasons else "")
+
+
+def _decision_messages(monitor: Monitor) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for body in monitor.sent_bodies():
+        doc = json.loads(body)
+        if doc.get("type") == "decision" and doc.get("rankwatch", {}).get("decision"):
+            out.append(doc["rankwatch"])
+    return out
+
+
+def run_drill(name: str, workdir: Path, *, say: Callable[[str], None] = print,
+              reference: Mapping[str, Any] | None = None) -> DrillReport:
+    """Run one drill (see the module docstring) in <workdir>/<name> (replaced), against the cached reference run.
+    ValueError for an unknown drill name."""
+    from rankwatch.analytics.alerts import write_secret
+    from rankwatch.trainer.service import ManagerService
+
+    spec = DRILLS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown drill {name!r} (drills: {', '.join(DRILLS)})")
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    ref = reference if reference is not None else reference_fingerprints(workdir, say=say)
+    base = workdir / name
+    if base.exists():
+        import shutil
+
+        shutil.rmtree(base)
+    base.mkdir()
+    run_dir = base / "run"
+    secret_file = base / "webhook.secret"
+    secret = write_secret(secret_file)
+    cfg = drill_config(run_dir, spec.faults)
+    clock = _Clock()
+    stop = threading.Event()
+    lines: list[str] = []
+
+    def note(msg: str) -> None:
+        lines.append(msg)
+
+    partial: dict[str, Any] = {"name": name, "fault": spec.what, "run_dir": str(run_dir)}
+    say(f"drill {name}: {spec.what}; canary {cfg.world_size} ranks, {STEPS} steps in {run_dir}")
+    with ManagerService(run_dir, secret=secret, job=cfg, launch_kw=_LAUNCH_KW) as svc:
+        watcher: threading.Thread | None = None
+        try:
+            # the monitor starts on a run that has begun recording (before, its part-file side has nothing to read)
+            _wait(lambda: svc.manager.status()["job"]["state"] == "running" and (run_dir / "telemetry").is_dir(),
+                  90, "the job running")
+            monitor = Monitor(run_dir, window=20, every=1.0, poll=0.1, webhook=f"{svc.url}/alerts",
+                              secret_file=secret_file, say=note, warn=note)
+            failed: list[BaseException] = []
+
+            def watch() -> None:
+                try:
+                    monitor.run(stop=stop)
+                except BaseException as exc:  # noqa: BLE001 - reported as the drill's failure
+                    failed.append(exc)
+                    note(f"monitor failed: {type(exc).__name__}: {exc}")
+
+            watcher = threading.Thread(target=watch, name="rankwatch-drill-monitor", daemon=True)
+            watcher.start()
+            report = _drive(spec, svc, monitor, clock, run_dir, ref, partial, say, failed)
+        except (TimeoutError, RuntimeError, ValueError) as exc:
+            report = DrillReport(**partial, passed=False, reason=f"{type(exc).__name__}: {exc}")
+        finally:
+            stop.set()
+            if watcher is not None:
+                watcher.join(30.0)
+    (base / "monitor.log").write_text("\n".join(lines) + "\n")
+    say(f"drill {name}: {report.verdict}: {report.reason}")
+    return report
+
+
+def _exit_wall_ns(run_dir: Path, rank: int) -> int | None:
+    """The wall clock of the launcher's exit record of `rank` (live/exit-<r>.json), None before it exists."""
+    from rankwatch.analytics.liveness import parse_exit_record
+
+    try:
+        return parse_exit_record(json.loads((run_dir / "live" / f"exit-{rank}.json").read_text())).wall_ns
+    except (OSError, ValueError):
+        return None
+
+
+def _victim_step(monitor: Monitor, rank: int) -> int | None:
+    view = monitor.view
+    r = None if view is None else view.rank(rank)
+    return None if r is None else r.last_step
+
+
+def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: Path, ref: Mapping[str, Any],
+           partial: dict[str, Any], say: Callable[[str], None], failed: list[BaseException]) -> DrillReport:
+    manager = svc.manager
+    _wait(lambda: (_victim_step(monitor, spec.rank) or -1) >= (FAULT_AFTER if spec.signal else FAULT_AFTER - 2),
+          120, f"rank {spec.rank} at step {FAULT_AFTER}", failed)
+    if spec.signal is not None:
+        pid = int(manager.status()["job"]["pids"][spec.rank])
+        os.kill(pid, spec.signal)
+        clock.mark()
+        say(f"drill {spec.name}: sent {signal.Signals(spec.signal).name} to rank {spec.rank} (pid {pid}) after step "
+            f"{_victim_step(monitor, spec.rank)}")
+    elif spec.klass is IncidentClass.FAIL_STOP:  # in-job exit: its instant is the launcher's exit record
+        _wait(lambda: _exit_wall_ns(run_dir, spec.rank) is not None, 60, f"rank {spec.rank}'s exit record", failed)
+        clock.mark(_exit_wall_ns(run_dir, spec.rank))
+        say(f"drill {spec.name}: rank {spec.rank} exited")
+    else:  # the slow fault: its instant is the slow rank's first slowed step
+        _wait(lambda: (_victim_step(monitor, spec.rank) or -1) >= FAULT_AFTER, 60, f"rank {spec.rank} slowed", failed)
+        clock.mark()
+        say(f"drill {spec.name}: rank {spec.rank} slowed from step {FAULT_AFTER}")
+    assert clock.mono is not None
+    subject = f"rank:{spec.rank}"
+
+    def detection() -> Any:
+        return next((s for s in list(monitor.seen) if s.incident.klass is spec.klass
+                     and str(s.incident.subject) == subject and s.at >= clock.mono - 0.5), None)  # type: ignore[operator]
+
+    _wait(lambda: detection() is not None, 60, f"{spec.klass} {subject} detected", failed)
+    seen = detection()
+    partial.update(detected=f"{seen.incident.klass} {subject}", detect_s=round(seen.at - clock.mono, 3))
+    say(f"drill {spec.name}: detected {seen.incident.klass} {subject} after {partial['detect_s']:.2f}s "
+        f"({seen.source})")
+
+    def decided() -> dict[str, Any] | None:
+        for d in manager.db.summary()["decisions"]:
+            if d["incident"] == seen.incident.id or (spec.relaunch and d["action"] != "observe"):
+                return dict(d)
+        return None
+
+    _wait(lambda: decided() is not None, 60, "a decision accepted by the service", failed)
+    dec = decided()
+    assert dec is not None
+    scope = next((m.get("scope") for m in _decision_messages(monitor) if m.get("decision_id") == dec["decision_id"]),
+                 None)
+    partial.update(decision=f"{dec['action']} ({scope or '-'})", decision_s=clock.since_wall(dec["received_ns"]))
+    say(f"drill {spec.name}: decision {partial['decision']} accepted after {_num(partial['decision_s'])}s")
+
+    _wait(lambda: manager.status()["job"]["state"] in ("finished", "failed") and
+          (not spec.relaunch or (manager.status()["last_decision"] or {}).get("state") in ("done", "failed")),
+          240, "the job finished", failed)
+    time.sleep(0.5)
+    status = manager.status()
+    attempts = status["attempts"]
+    partial["attempts"] = len(attempts)
+    steps = _steps(run_dir)
+    if spec.relaunch:
+        recs = sorted((run_dir / "recovery").glob("recovery-*.json"))
+        rec = json.loads(recs[-1].read_text()) if recs else None
+        if rec is not None:
+            partial["recovery"] = f"{rec['id']}: {rec['outcome']}"
+            ours = [d for d in rec["decisions"] if d["class"] == str(spec.klass) and d["subject"] == subject]
+            gate = next((p for d in ours for p in d["path"] if str(p).startswith("gate")), None)
+            partial["gate"] = gate
+        if len(attempts) >= 2:
+            partial["resume_from"] = attempts[-1]["resume_from"]
+        if len(steps) >= 2:
+            partial["training_again_s"] = clock.since_wall(steps[-1][3])
+            partial["steps_lost"] = max(0, steps[0][2] + 1 - steps[-1][1])
+    else:
+        partial["steps_lost"] = 0
+    if partial.get("training_again_s") is not None:
+        say(f"drill {spec.name}: training again after {partial['training_again_s']:.2f}s "
+            f"({partial['steps_lost']} step(s) lost)")
+
+    def fail(why: str) -> DrillReport:
+        return DrillReport(**partial, passed=False, reason=why)
+
+    if status["job"]["state"] != "finished":
+        return fail(f"the job ended {status['job']['state']}")
+    if spec.relaunch:
+        if not dec["action"] or dec["action"] == "observe":
+            return fail(f"the decision was {dec['action']}, not a relaunch")
+        if rec is None or rec["outcome"] != "recovered":
+            return fail("no recovery record" if rec is None else f"{rec['id']}: outcome {rec['outcome']}")
+        if not ours:
+            return fail(f"{rec['id']} does not name {spec.klass} {subject}")
+        if len(attempts) < 2 or attempts[-1]["resume_from"] is None:
+            return fail("the new attempt did not resume from a checkpoint")
+    else:
+        if dec["action"] != "observe":
+            return fail(f"the decision was {dec['action']}, not observe")
+        if len(attempts) != 1:
+            return fail(f"{len(attempts)} attempts: the job was restarted")
+    final = _final_fingerprints(run_dir)
+    same = final["step"] == ref["step"] and final["ranks"] == ref["ranks"]
+    partial["bitwise"] = same
+    if not same:
+        differ = sorted({k for r, fp in final["ranks"].items() for k, v in fp.items()
+                         if ref["ranks"].get(r, {}).get(k) != v})
+        return fail(f"final fingerprints (step {final['step']}) differ from the reference's (step {ref['step']}: "
+                    f"{', '.join(differ) or 'ranks'}); {_lineage_why(run_dir)}")
+    return DrillReport(**partial, passed=True,
+                       reason=f"final fingerprints at step {final['step']} bitwise equal to the reference run")
+
+
+def run_drills(names: Iterable[str], workdir: Path, *, say: Callable[[str], None] = print) -> tuple[DrillReport, ...]:
+    """Each drill in turn against one reference run; the report written to <workdir>/report.json after each."""
+    names = list(names)
+    for n in names:
+        if n not in DRILLS:
+            raise ValueError(f"unknown drill {n!r} (drills: {', '.join(DRILLS)})")
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    ref = reference_fingerprints(workdir, say=say)
+    out: list[DrillReport] = []
+    for n in names:
+        out.append(run_drill(n, workdir, say=say, reference=ref))
+        write_report(workdir / REPORT_FILE, out)
+    return tuple(out)
