@@ -315,6 +315,23 @@ def _watch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drill(args: argparse.Namespace) -> int:
+    import time
+
+    from rankwatch.drills import DRILLS, REPORT_FILE, report_table, run_drills, write_report
+
+    if args.all == bool(args.names):
+        raise ValueError(f"name drills or give --all, not both (drills: {', '.join(DRILLS)})")
+    names = list(DRILLS) if args.all else list(args.names)
+    t0 = time.monotonic()
+    reports = run_drills(names, args.workdir,
+                         say=lambda m: print(f"[{time.monotonic() - t0:6.1f}s] {m}", flush=True))
+    path = write_report(Path(args.workdir) / REPORT_FILE, reports)
+    print(report_table(reports))
+    print(f"rankwatch drill: {sum(r.passed for r in reports)} of {len(reports)} passed; report in {path}")
+    return 0 if all(r.passed for r in reports) else 1
+
+
 def _webhook_secret(args: argparse.Namespace) -> int:
     from rankwatch.analytics.alerts import write_secret
 
@@ -540,11 +557,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     li.add_argument("--json", action="store_true")
     _rollup_parser(sub)
     _manager_parser(sub)
+    dr = sub.add_parser("drill", help="fault drills on a live canary: inject a fault, time detection, decision and "
+                                      "recovery through the manager service, check the result bitwise")
+    dr.add_argument("names", nargs="*", metavar="NAME", help="sigkill, exit, sigstop, straggler")
+    dr.add_argument("--all", action="store_true", help="every drill, in that order")
+    dr.add_argument("--workdir", type=Path, default=Path("runs/drills"),
+                    help="the drills' runs, the cached reference run and report.json")
     args = parser.parse_args(argv)
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
                 "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,
                 "evidence": _evidence, "recover": _recover, "rollup": _rollup, "lineage": _lineage,
-                "manager": _manager, "webhook-secret": _webhook_secret}
+                "manager": _manager, "webhook-secret": _webhook_secret, "drill": _drill}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # bad input: one line, no traceback
