@@ -559,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _manager_parser(sub)
     dr = sub.add_parser("drill", help="fault drills on a live canary: inject a fault, time detection, decision and "
                                       "recovery through the manager service, check the result bitwise")
-    dr.add_argument("names", nargs="*", metavar="NAME", help="sigkill, exit, sigstop, straggler")
+    dr.add_argument("names", nargs="*", metavar="NAME", help="sigkill, exit, sigstop, straggler, hang (a name may repeat: one row each)")
     dr.add_argument("--all", action="store_true", help="every drill, in that order")
     dr.add_argument("--workdir", type=Path, default=Path("runs/drills"),
                     help="the drills' runs, the cached reference run and report.json")

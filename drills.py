@@ -17,14 +17,18 @@ Drills (DRILLS, in priority order):
     sigkill     SIGKILL of rank 1 (a fail-stop): detected by the liveness records, the job restarted from a checkpoint
     exit        rank 1 calls os._exit(1) inside the job (trainer.faults Exit; no outside signal can make a process
                 exit with a code of its choosing): a fail-stop, as above
-    sigstop     SIGSTOP of rank 1 (a hang): the service stops the job at once, not after the collective timeout
+    sigstop     SIGSTOP of rank 1: its liveness thread stops too, so it reads as a rank gone silent (a fail-stop;
+                a hang is accepted as well); the service stops the job at once, not after the collective timeout
     straggler   rank 2 sleeps 80 ms more per step (trainer.faults Slow): a straggler; the decision is observe, no
                 restart, the job finishes
+    hang        rank 1's training thread stops in a step while its process (and heartbeat) lives (trainer.faults
+                Hang): a hang; the job stopped at once and restarted
 
 Times are seconds after the fault: to detect (the monitor's first incident naming the subject, on the monitor's
 clock), to decision (the service accepted a decision about it), to training again (the first step the new attempt
 completed, from its steps). The fault's instant is the signal for sigkill/sigstop, the exit record's wall clock for
-exit, and the first step the slow rank took with the delay for straggler.
+exit, the monitor's first sight of the stuck rank's last step for hang, and the first step the slow rank took
+with the delay for straggler.
 """
 
 from __future__ import annotations
@@ -68,8 +72,8 @@ _LAUNCH_KW: Mapping[str, Any] = {"timeout_s": 240.0, "failure_grace_s": 60.0, "t
 class DrillSpec:
     name: str
     what: str
-    klass: IncidentClass
-    """The class the monitor must detect."""
+    classes: tuple[IncidentClass, ...]
+    """The classes the monitor may detect it as (the first is the usual one)."""
     rank: int
     """The rank it must name."""
     relaunch: bool
@@ -81,16 +85,22 @@ class DrillSpec:
 
 
 DRILLS: dict[str, DrillSpec] = {
-    "sigkill": DrillSpec(name="sigkill", what=f"SIGKILL of rank {VICTIM}", klass=IncidentClass.FAIL_STOP,
+    "sigkill": DrillSpec(name="sigkill", what=f"SIGKILL of rank {VICTIM}", classes=(IncidentClass.FAIL_STOP,),
                          rank=VICTIM, relaunch=True, signal=signal.SIGKILL),
     "exit": DrillSpec(name="exit", what=f"os._exit(1) in rank {VICTIM} at step {FAULT_AFTER + 1}",
-                      klass=IncidentClass.FAIL_STOP, rank=VICTIM, relaunch=True,
+                      classes=(IncidentClass.FAIL_STOP,), rank=VICTIM, relaunch=True,
                       faults=Faults().exit(rank=VICTIM, step=FAULT_AFTER + 1, code=1)),
-    "sigstop": DrillSpec(name="sigstop", what=f"SIGSTOP of rank {VICTIM} (a hang)", klass=IncidentClass.HANG,
-                         rank=VICTIM, relaunch=True, signal=signal.SIGSTOP),
+    # a SIGSTOPped process stops its liveness thread too: without an exit record it reads as a rank gone silent
+    # (a fail-stop, "stopped"); a hang proper (heartbeats on, no progress) is the `hang` drill
+    "sigstop": DrillSpec(name="sigstop", what=f"SIGSTOP of rank {VICTIM}",
+                         classes=(IncidentClass.FAIL_STOP, IncidentClass.HANG), rank=VICTIM, relaunch=True,
+                         signal=signal.SIGSTOP),
     "straggler": DrillSpec(name="straggler", what=f"rank 2 80 ms slower a step from step {FAULT_AFTER}",
-                           klass=IncidentClass.STRAGGLER, rank=2, relaunch=False,
+                           classes=(IncidentClass.STRAGGLER,), rank=2, relaunch=False,
                            faults=Faults().slow(rank=2, from_step=FAULT_AFTER, delay_s=0.08)),
+    "hang": DrillSpec(name="hang", what=f"rank {VICTIM} stuck in step {FAULT_AFTER + 1} (heartbeats on)",
+                      classes=(IncidentClass.HANG,), rank=VICTIM, relaunch=True,
+                      faults=Faults().hang(rank=VICTIM, step=FAULT_AFTER + 1)),
 }
 
 
@@ -116,6 +126,8 @@ class DrillReport:
     """The gate on the decision's path (e.g. "gate=none")."""
     resume_from: str | None = None
     """The checkpoint the new attempt resumed from."""
+    stopped_s: float | None = None
+    """Until the fault's attempt was over (every rank gone; the service stops it on the decision), as polled."""
     training_again_s: float | None = None
     steps_lost: int | None = None
     """Steps the fault's attempt completed that the new attempt trained again."""
@@ -141,11 +153,12 @@ def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-_COLUMNS = ("drill", "detected", "detect_s", "decision", "decision_s", "training_again_s", "steps_lost", "verdict")
+_COLUMNS = ("drill", "detected", "detect_s", "decision", "decision_s", "stopped_s", "training_again_s", "steps_lost",
+            "verdict")
 
 
 def _row(r: DrillReport) -> tuple[str, ...]:
-    return (r.name, r.detected or "-", _num(r.detect_s), r.decision or "-", _num(r.decision_s),
+    return (r.name, r.detected or "-", _num(r.detect_s), r.decision or "-", _num(r.decision_s), _num(r.stopped_s),
             _num(r.training_again_s), "-" if r.steps_lost is None else str(r.steps_lost),
             f"{r.verdict}: {r.reason}")
 
@@ -364,6 +377,13 @@ def _exit_wall_ns(run_dir: Path, rank: int) -> int | None:
         return None
 
 
+def _step_end_wall_ns(monitor: Monitor, rank: int) -> int | None:
+    """When the monitor first saw `rank`'s last progress (its latest completed step), on the wall clock."""
+    view = monitor.view
+    r = None if view is None else view.rank(rank)
+    return None if view is None or r is None or r.idle_ns is None else view.now_ns - r.idle_ns
+
+
 def _victim_step(monitor: Monitor, rank: int) -> int | None:
     view = monitor.view
     r = None if view is None else view.rank(rank)
@@ -381,7 +401,11 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
         clock.mark()
         say(f"drill {spec.name}: sent {signal.Signals(spec.signal).name} to rank {spec.rank} (pid {pid}) after step "
             f"{_victim_step(monitor, spec.rank)}")
-    elif spec.klass is IncidentClass.FAIL_STOP:  # in-job exit: its instant is the launcher's exit record
+    elif spec.classes[0] is IncidentClass.HANG:  # in-job hang: its instant is the last step the rank completed
+        _wait(lambda: (_victim_step(monitor, spec.rank) or -1) >= FAULT_AFTER, 60, f"rank {spec.rank} stuck", failed)
+        clock.mark(_step_end_wall_ns(monitor, spec.rank))
+        say(f"drill {spec.name}: rank {spec.rank} stuck after step {FAULT_AFTER}")
+    elif spec.classes[0] is IncidentClass.FAIL_STOP:  # in-job exit: its instant is the launcher's exit record
         _wait(lambda: _exit_wall_ns(run_dir, spec.rank) is not None, 60, f"rank {spec.rank}'s exit record", failed)
         clock.mark(_exit_wall_ns(run_dir, spec.rank))
         say(f"drill {spec.name}: rank {spec.rank} exited")
@@ -393,10 +417,10 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
     subject = f"rank:{spec.rank}"
 
     def detection() -> Any:
-        return next((s for s in list(monitor.seen) if s.incident.klass is spec.klass
+        return next((s for s in list(monitor.seen) if s.incident.klass in spec.classes
                      and str(s.incident.subject) == subject and s.at >= clock.mono - 0.5), None)  # type: ignore[operator]
 
-    _wait(lambda: detection() is not None, 60, f"{spec.klass} {subject} detected", failed)
+    _wait(lambda: detection() is not None, 60, f"{'/'.join(spec.classes)} {subject} detected", failed)
     seen = detection()
     partial.update(detected=f"{seen.incident.klass} {subject}", detect_s=round(seen.at - clock.mono, 3))
     say(f"drill {spec.name}: detected {seen.incident.klass} {subject} after {partial['detect_s']:.2f}s "
@@ -416,9 +440,18 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
     partial.update(decision=f"{dec['action']} ({scope or '-'})", decision_s=clock.since_wall(dec["received_ns"]))
     say(f"drill {spec.name}: decision {partial['decision']} accepted after {_num(partial['decision_s'])}s")
 
-    _wait(lambda: manager.status()["job"]["state"] in ("finished", "failed") and
-          (not spec.relaunch or (manager.status()["last_decision"] or {}).get("state") in ("done", "failed")),
-          240, "the job finished", failed)
+    ended: list[int] = []
+
+    def over() -> bool:
+        st = manager.status()
+        if not ended and st["attempts"] and st["attempts"][0]["exit_codes"] is not None:
+            ended.append(time.time_ns())  # the fault's attempt is over (every rank gone): the job stopped
+        return st["job"]["state"] in ("finished", "failed") and (
+            not spec.relaunch or (st["last_decision"] or {}).get("state") in ("done", "failed"))
+
+    _wait(over, 240, "the job finished", failed)
+    if spec.relaunch and ended:
+        partial["stopped_s"] = clock.since_wall(ended[0])
     time.sleep(0.5)
     status = manager.status()
     attempts = status["attempts"]
@@ -429,7 +462,7 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
         rec = json.loads(recs[-1].read_text()) if recs else None
         if rec is not None:
             partial["recovery"] = f"{rec['id']}: {rec['outcome']}"
-            ours = [d for d in rec["decisions"] if d["class"] == str(spec.klass) and d["subject"] == subject]
+            ours = [d for d in rec["decisions"] if d["class"] in spec.classes and d["subject"] == subject]
             gate = next((p for d in ours for p in d["path"] if str(p).startswith("gate")), None)
             partial["gate"] = gate
         if len(attempts) >= 2:
@@ -440,8 +473,8 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
     else:
         partial["steps_lost"] = 0
     if partial.get("training_again_s") is not None:
-        say(f"drill {spec.name}: training again after {partial['training_again_s']:.2f}s "
-            f"({partial['steps_lost']} step(s) lost)")
+        say(f"drill {spec.name}: stopped after {_num(partial.get('stopped_s'))}s, training again after "
+            f"{partial['training_again_s']:.2f}s ({partial['steps_lost']} step(s) lost)")
 
     def fail(why: str) -> DrillReport:
         return DrillReport(**partial, passed=False, reason=why)
@@ -454,7 +487,7 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
         if rec is None or rec["outcome"] != "recovered":
             return fail("no recovery record" if rec is None else f"{rec['id']}: outcome {rec['outcome']}")
         if not ours:
-            return fail(f"{rec['id']} does not name {spec.klass} {subject}")
+            return fail(f"{rec['id']} does not name {'/'.join(spec.classes)} {subject}")
         if len(attempts) < 2 or attempts[-1]["resume_from"] is None:
             return fail("the new attempt did not resume from a checkpoint")
     else:
