@@ -459,7 +459,7 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
     steps = _steps(run_dir)
     if spec.relaunch:
         recs = sorted((run_dir / "recovery").glob("recovery-*.json"))
-        rec = json.loads(recs[-1].read_text()) if recs else None
+        rec = json.loads(recs[0].read_text()) if recs else None
         if rec is not None:
             partial["recovery"] = f"{rec['id']}: {rec['outcome']}"
             ours = [d for d in rec["decisions"] if d["class"] in spec.classes and d["subject"] == subject]
@@ -484,6 +484,11 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
     if spec.relaunch:
         if not dec["action"] or dec["action"] == "observe":
             return fail(f"the decision was {dec['action']}, not a relaunch")
+        if len(recs) > 1:
+            extra = [json.loads(p.read_text()) for p in recs[1:]]
+            return fail(f"{len(recs)} recoveries for one fault: " + "; ".join(
+                f"{r['id']} ({', '.join(d['class'] + ' ' + d['subject'] for d in r['decisions'])}: {r['outcome']})"
+                for r in [json.loads(recs[0].read_text()), *extra]))
         if rec is None or rec["outcome"] != "recovered":
             return fail("no recovery record" if rec is None else f"{rec['id']}: outcome {rec['outcome']}")
         if not ours:
