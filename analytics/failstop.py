@@ -318,6 +318,11 @@ def _by_events(frames: Frames, abnormal: pl.DataFrame, errors: pl.DataFrame, nam
         return set()  # it came after the others failed: a reaction to them (a launcher's SIGTERM)
     if 2 * cluster.height > world:
         return set()
+    # a launcher's signal reaches the hosts one after another: own events on most ranks within the job window are
+    # one job-wide stop (the first host's cluster is not a culprit)
+    job = firsts.filter(pl.col("t") <= t0 + int(config.job_window_heartbeats * frames.heartbeat_interval_ns))
+    if 2 * job.height > world:
+        return set()
     return set(int(r) for r in cluster["rank"])
 
 

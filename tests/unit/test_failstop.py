@@ -246,3 +246,14 @@ def test_a_rank_stuck_in_a_pipeline_stage_is_the_one_hang_not_the_stages_waiting
                           open_collectives=opened, end_wall_ns=60 * S)
     (inc,) = detect_failstops(frames)
     assert (inc.klass, inc.subject.id, inc.cause) == (IncidentClass.HANG, "0", Cause.STUCK_IN_COLLECTIVE)
+
+
+def test_a_launchers_sigterm_reaching_the_hosts_one_after_another_is_still_the_jobs_fail_stop() -> None:
+    """Hosts 0 (ranks 0, 1) and 1 (ranks 2, 3) get the launcher's SIGTERM 0.4 s apart (less than a heartbeat): the
+    first host's pair is no culprit. Once, they were blamed as two fail-stops (their events came first)."""
+    at = {0: 10.5, 1: 10.51, 2: 10.9, 3: 10.91}
+    events = [_ev(r, "signal", t, signal=15) for r, t in at.items()]
+    frames = Frames.build(steps=_steps(LAST), liveness=_liveness(LAST, at), events=pl.DataFrame(events),
+                          end_wall_ns=int(11.0 * S))
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.kind, inc.cause) == (IncidentClass.FAIL_STOP, SubjectKind.JOB, Cause.SIGNAL)
