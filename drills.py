@@ -305,9 +305,9 @@ def _decision_messages(monitor: Monitor) -> list[dict[str, Any]]:
 
 
 def run_drill(name: str, workdir: Path, *, say: Callable[[str], None] = print,
-              reference: Mapping[str, Any] | None = None) -> DrillReport:
-    """Run one drill (see the module docstring) in <workdir>/<name> (replaced), against the cached reference run.
-    ValueError for an unknown drill name."""
+              reference: Mapping[str, Any] | None = None, folder: str | None = None) -> DrillReport:
+    """Run one drill (see the module docstring) in <workdir>/<folder or name> (replaced), against the cached
+    reference run. ValueError for an unknown drill name."""
     from rankwatch.analytics.alerts import write_secret
     from rankwatch.trainer.service import ManagerService
 
@@ -317,7 +317,7 @@ def run_drill(name: str, workdir: Path, *, say: Callable[[str], None] = print,
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     ref = reference if reference is not None else reference_fingerprints(workdir, say=say)
-    base = workdir / name
+    base = workdir / (folder or name)
     if base.exists():
         import shutil
 
@@ -522,7 +522,8 @@ def run_drills(names: Iterable[str], workdir: Path, *, say: Callable[[str], None
     workdir.mkdir(parents=True, exist_ok=True)
     ref = reference_fingerprints(workdir, say=say)
     out: list[DrillReport] = []
-    for n in names:
-        out.append(run_drill(n, workdir, say=say, reference=ref))
+    for i, n in enumerate(names):
+        again = names[:i].count(n)  # a repeated drill keeps each run: <name>, <name>-2, ...
+        out.append(run_drill(n, workdir, say=say, reference=ref, folder=f"{n}-{again + 1}" if again else None))
         write_report(workdir / REPORT_FILE, out)
     return tuple(out)
