@@ -24,7 +24,7 @@ demo: $(STAMP)
 # mypy names modules by folder; the checkout's folder may have any name, so check it through a link named
 # after the package.
 MYPY_ROOT := .mypy-root
-TYPED := collector trainer analytics simulator cli.py benchmarks
+TYPED := collector trainer analytics simulator cli.py monitor.py drills.py benchmarks
 
 typecheck: $(STAMP)
 	rm -rf $(MYPY_ROOT) && mkdir -p $(MYPY_ROOT) && ln -s "$(CURDIR)" $(MYPY_ROOT)/rankwatch

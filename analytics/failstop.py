@@ -93,7 +93,7 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
 
     `onset_step` = `detection_step` = the culprit's last completed step + 1 (a fail-stop is known as soon as peers
     block on it); for the job, the newest step in progress."""
-    live = frames.liveness
+    live = _liveness(frames)
     if live.height == 0:
         return ()
     now = frames.end_wall_ns
@@ -152,6 +152,19 @@ def _block_ns(frames: Frames, config: FailStopConfig) -> int:
     step = frames.steps["duration_ns"].median() if frames.steps.height else None
     step_ns = float(step) if step is not None else 0.0  # type: ignore[arg-type]
     return int(max(frames.heartbeat_interval_ns, config.stall_step_factor * step_ns))
+
+
+def _liveness(frames: Frames) -> pl.DataFrame:
+    """`frames.liveness` with each rank's last progress no earlier than its latest attempt's start: a relaunched rank
+    still loading its checkpoint has not stopped at the step its previous incarnation last completed."""
+    live, start = frames.liveness, _attempt_start(frames)
+    if not live.height or not start.height:
+        return live
+    end = pl.col("last_step_end_wall_ns")
+    return live.join(start, on="rank", how="left").with_columns(
+        pl.when(pl.col("attempt_start").is_not_null() & (end.is_null() | (end < pl.col("attempt_start"))))
+        .then(pl.col("attempt_start")).otherwise(end).alias("last_step_end_wall_ns")
+    ).drop("attempt_start")
 
 
 def _attempt_start(frames: Frames) -> pl.DataFrame:
@@ -395,7 +408,7 @@ def _by_position(frames: Frames, events: pl.DataFrame, stall: int) -> set[int]:
     threads wait at a sync point), the ranks not where the others are: behind every other rank of their pipeline
     stage in completed steps; else a few ranks (at most a quarter) whose latest event, written while stalled, is in
     another step or phase than the one most ranks are stalled in."""
-    live = frames.liveness
+    live = _liveness(frames)
     stage = frames.topology.select("rank", pl.col("pp").fill_null(0).alias("_pp")).unique("rank")
     by_stage = (
         live.join(stage, on="rank", how="left").with_columns(pl.col("_pp").fill_null(0))
@@ -416,7 +429,7 @@ def _by_position(frames: Frames, events: pl.DataFrame, stall: int) -> set[int]:
         return set()
     where = latest.group_by("step", "phase").agg(pl.len().alias("_n")).sort("_n", descending=True)
     mode = where.row(0, named=True)
-    odd = latest.filter((pl.col("step") != mode["step"]) | pl.col("phase").ne_missing(mode["phase"]))
+    odd = latest.filter(pl.col("step").ne_missing(mode["step"]) | pl.col("phase").ne_missing(mode["phase"]))
     if odd.height == 0 or 4 * odd.height > live.height:
         return set()
     return set(int(r) for r in odd["rank"])
@@ -427,7 +440,7 @@ def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnor
     """How the job itself stopped, when it stopped abnormally at once: a signal or abnormal exit on more than half
     the ranks within `job_window_heartbeats`; or (`run_over`) no terminal event anywhere and telemetry that ends
     mid-step (an operation open, a heartbeat in a step never completed, or ranks at different last steps)."""
-    live = frames.liveness
+    live = _liveness(frames)
     if abnormal.height:
         firsts = abnormal.group_by("rank").agg(pl.col("wall_ns").min().alias("t"), pl.col("kind"))
         t0 = int(firsts["t"].min())  # type: ignore[arg-type]
@@ -460,7 +473,7 @@ def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnor
 
 def _job_incident(frames: Frames, job: tuple[Cause, str], events: pl.DataFrame, config: FailStopConfig) -> Incident:
     cause, how = job
-    live = frames.liveness
+    live = _liveness(frames)
     ranks = tuple(sorted(int(r) for r in live["rank"]))
     onset = int(live["last_step"].max()) + 1  # type: ignore[arg-type]
     evidence = [Evidence(

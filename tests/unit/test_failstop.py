@@ -257,3 +257,15 @@ def test_a_launchers_sigterm_reaching_the_hosts_one_after_another_is_still_the_j
                           end_wall_ns=int(11.0 * S))
     (inc,) = detect_failstops(frames)
     assert (inc.klass, inc.subject.kind, inc.cause) == (IncidentClass.FAIL_STOP, SubjectKind.JOB, Cause.SIGNAL)
+
+
+def test_a_relaunched_job_still_starting_up_is_no_hang() -> None:
+    """Attempt 1 started at 50 s (every rank's topology row); 4 s later its ranks beat and write events but have
+    completed no step yet (loading the checkpoint; rank 1 a phase behind): their last completed step is attempt 0's,
+    which ended at 10 s. Time since then is no stall; once, rank 1 was a hang (not where the others are)."""
+    topo = pl.DataFrame([{"rank": r, "attempt": 1, "world_size": 4, "start_wall_ns": 50 * S} for r in range(4)])
+    events = [_ev(r, "warning", 53.5, step=10, phase="load" if r == 1 else "gate", message="starting")
+              for r in range(4)]
+    frames = Frames.build(steps=_steps(LAST), liveness=_liveness(LAST, {r: 54.0 for r in range(4)}), topology=topo,
+                          events=pl.DataFrame(events), end_wall_ns=54 * S)
+    assert detect_failstops(frames) == ()

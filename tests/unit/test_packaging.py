@@ -14,8 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["collector", "analytics", "trainer", "dashboard", "simulator"]
 
 
+TOP_MODULES = ("cli", "monitor", "drills")
+"""Modules at the package's top (above collector, analytics and trainer: they compose them)."""
+
+
 def _source_modules() -> list[str]:
-    mods = ["rankwatch", "rankwatch.cli"]
+    mods = ["rankwatch", *(f"rankwatch.{m}" for m in TOP_MODULES)]
     for pkg in PACKAGES:
         for f in sorted((ROOT / pkg).glob("*.py")):
             mods.append(f"rankwatch.{pkg}" if f.name == "__init__.py" else f"rankwatch.{pkg}.{f.stem}")
@@ -31,7 +35,7 @@ def test_wheel_contains_and_imports_every_module(tmp_path: Path) -> None:
     )
     (wheel,) = tmp_path.glob("rankwatch-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {m.replace(".", "/") + ("/__init__.py" if m.count(".") < 2 and m != "rankwatch.cli" else ".py") for m in _source_modules()}
+    expected = {m.replace(".", "/") + ("/__init__.py" if m.count(".") < 2 and m.removeprefix("rankwatch.") not in TOP_MODULES else ".py") for m in _source_modules()}
     assert expected <= names, sorted(expected - names)
     assert not [n for n in names if n.startswith("rankwatch/tests/")]
     target = tmp_path / "site"
