@@ -9,7 +9,8 @@ author who never read them: its own step physics and noise model, 31 phenomena a
 `--split heldout` (seeds 900,000..999,999) is run only to report a figure, never while tuning detectors, and its
 per-scenario misses are not read to change them. A figure worth reporting is the held-out one. A held-out split is
 spent once its misses were printed: a detector change after that is found and checked on tune-range seeds and
-measured on the next fresh split (`--split heldout2`, seeds 800,000..899,999), never on the spent one again.
+measured on the next fresh split, never on a spent one again: `heldout` was spent on 2026-12-01, then `heldout2`
+(seeds 800,000..899,999); the next fresh split is `heldout3` (seeds 700,000..799,999).
 
 `--clock cpu` is the control: analysis reads the CPU-side figures only, as a detector that ignores the device
 columns would; on gpu timing it must FAIL (the CUDA job's straggler is invisible there).
@@ -334,7 +335,7 @@ def main() -> int:
     ap.add_argument("--source", choices=("sim", "independent"), default="sim",
                     help="sim: simulator.standard_suite() (written beside the detectors); independent: "
                          "benchmarks/independent (written apart from them), with --split")
-    ap.add_argument("--split", choices=("tune", "heldout", "heldout2"), default="tune",
+    ap.add_argument("--split", choices=("tune", "heldout", "heldout2", "heldout3"), default="tune",
                     help="independent source only: tune seeds (may be looked at while tuning) or held-out seeds "
                          "(run only for the reported figure, never while tuning)")
     args = ap.parse_args()

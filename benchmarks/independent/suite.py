@@ -33,7 +33,8 @@ from .world import World
 TUNE_SEEDS = range(100_000, 200_000)
 HELDOUT_SEEDS = range(900_000, 1_000_000)
 HELDOUT2_SEEDS = range(800_000, 900_000)
-SPLITS = {"tune": TUNE_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS}
+HELDOUT3_SEEDS = range(700_000, 800_000)
+SPLITS = {"tune": TUNE_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS, "heldout3": HELDOUT3_SEEDS}
 TIMINGS = ("cpu", "gpu")
 PER_KIND = 4
 CLEAN = 14
