@@ -23,12 +23,32 @@ Drills (DRILLS, in priority order):
                 restart, the job finishes
     hang        rank 1's training thread stops in a step while its process (and heartbeat) lives (trainer.faults
                 Hang): a hang; the job stopped at once and restarted
+    bitflip     bit 30 of one gradient element flipped on rank 1 before the all-reduce (trainer.faults BitFlip): every
+                replica takes the bad update and they still agree; silent corruption, seen in rank 1's local gradient
+                norm; rolled back to the checkpoint before the flip (step 19)
+    skew_rng    rank 1 draws one extra random number (SkewRng): divergence at the next fingerprint; rolled back to
+                step 19, not to the step-29 checkpoint saved between the skew and the fingerprint that showed it
+    skew_data   rank 1's data position jumps one sample (SkewData): divergence, as skew_rng
+    throttle    rank 2's (replayed) GPU reports a thermal throttle and computes 80 ms longer a step (Throttle): a
+                straggler caused by the device; observed (or the device quarantined), no restart
+    corrupt_manifest, corrupt_shard
+                past the step-29 checkpoint, its manifest is cut in half / one byte of rank 1's state file flipped on
+                disk (from outside), then rank 1 is SIGKILLed: the recovery must pass over the damaged checkpoint
+                (integrity-checked: CORRUPT) and resume from step 19
+    full_storage
+                the step-29 save of rank 1's shard fails with ENOSPC (trainer.checkpoint's save fault, through the
+                job's environment, every attempt): nothing is published, training goes on; then rank 1 is SIGKILLed
+                and the recovery resumes from step 19, never from the failed save's partial
+
+The canary is paced (CanaryConfig.pace_s) to ~0.2 s a step so that a fault seen from part files is acted on mid-run.
+A recovery that undoes a state fault relaunches with a replay basis (the step the fault may have begun at), so the
+replayed steps are not compared with the corrupted ones (analytics.replay).
 
 Times are seconds after the fault: to detect (the monitor's first incident naming the subject, on the monitor's
 clock), to decision (the service accepted a decision about it), to training again (the first step the new attempt
-completed, from its steps). The fault's instant is the signal for sigkill/sigstop, the exit record's wall clock for
-exit, the monitor's first sight of the stuck rank's last step for hang, and the first step the slow rank took
-with the delay for straggler.
+completed, from its steps). The fault's instant is the signal for sigkill/sigstop and the checkpoint drills, the exit
+record's wall clock for exit, the monitor's first sight of the stuck rank's last step for hang, and the monitor's
+first sight of the faulty step completed for straggler, throttle, bitflip and the skews.
 """
 
 from __future__ import annotations
@@ -38,19 +58,23 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from rankwatch.analytics.incidents import IncidentClass
+from rankwatch.analytics.incidents import Incident, IncidentClass, SubjectKind
+from rankwatch.analytics.recovery import Action
 from rankwatch.monitor import Monitor
 from rankwatch.trainer.canary import CanaryConfig
+from rankwatch.trainer.checkpoint import CHECKPOINT_FAULT_ENV
 from rankwatch.trainer.faults import Faults
 from rankwatch.trainer.model import ModelConfig
 from rankwatch.trainer.parallel import Layout
 
-__all__ = ["DRILLS", "DrillReport", "DrillSpec", "drill_config", "read_report", "reference_fingerprints",
+__all__ = ["DRILLS", "DrillReport", "DrillSpec", "Tamper", "drill_config", "read_report", "reference_fingerprints",
            "report_json", "report_table", "run_drill", "run_drills", "write_report"]
 
 STEPS = 50
@@ -59,6 +83,9 @@ VICTIM = 1
 """The rank a fail-stop or hang drill takes down."""
 FAULT_AFTER = 22
 """The fault comes once the victim completed this step (after the step-20 checkpoint)."""
+PACE_S = 0.15
+"""Added to every rank's step (CanaryConfig.pace_s; numerics untouched): ~0.2 s a step instead of ~0.07 s, so a fault
+detected from part files (a second or two) lands mid-run and the checkpoint before it is still kept."""
 REPORT_FILE = "report.json"
 REFERENCE_DIR = "reference"
 REFERENCE_FILE = "reference.json"
@@ -66,6 +93,15 @@ _FP_FIELDS = ("param_hash", "optim_hash", "rng_python_hash", "rng_numpy_hash", "
 _SMALL = ModelConfig(d_model=64, d_hidden=256, blocks_per_stage=2)
 _LAUNCH_KW: Mapping[str, Any] = {"timeout_s": 240.0, "failure_grace_s": 60.0, "term_grace_s": 2.0}
 """A long failure grace (and the canary's 30 s collective timeout): only the service's stop ends an attempt fast."""
+
+
+class Tamper(StrEnum):
+    """An edit of a committed checkpoint on disk, from outside the job (as a bad disk or a careless hand would)."""
+
+    MANIFEST = "manifest"
+    """manifest.json cut in half: the checkpoint's description unreadable."""
+    SHARD = "shard"
+    """One byte of the victim's per-rank state file flipped in place: its SHA-256 no longer the manifest's."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,11 +113,48 @@ class DrillSpec:
     rank: int
     """The rank it must name."""
     relaunch: bool
-    """True: the decision must relaunch (a new attempt resumed from a checkpoint); False: observe, one attempt."""
+    """True: the decision must relaunch (a new attempt resumed from a checkpoint); False: no restart, one attempt."""
     faults: Faults = field(default_factory=Faults)
-    """Injected inside the job (the canary's fault injection); empty when the drill signals from outside."""
+    """Injected inside the job (the canary's fault injection); empty when the drill acts from outside."""
     signal: int | None = None
-    """Sent to the rank's pid from outside once it completed FAULT_AFTER steps."""
+    """Sent to the rank's pid from outside once it completed `after` steps."""
+    after: int = FAULT_AFTER
+    """The victim step after which the outside action comes (the signal, after `tamper`)."""
+    tamper: Tamper | None = None
+    """Edited on disk, in the newest committed checkpoint, just before the signal."""
+    env: tuple[tuple[str, str], ...] = ()
+    """The job's environment beside the drill's own (e.g. trainer.checkpoint's save fault), every attempt."""
+    fault_step: int | None = None
+    """An in-job fault's step (its instant: when the victim completed it); None: FAULT_AFTER."""
+    resume_from: str | None = None
+    """The checkpoint the relaunch must resume from (the newest one a sound recovery may use); None: any."""
+    actions: tuple[Action, ...] = ()
+    """The decisions that pass (empty: any relaunching one when `relaunch`, observe when not)."""
+    device: bool = False
+    """The subject is the rank's device (`device:<uuid>`, a device fault), not the rank."""
+
+
+_LATE = 32
+"""The step after which the checkpoint drills act: past the step-29 checkpoint, whose save they spoil."""
+_SAVE_FAULT = f"enospc:rank={VICTIM},step=29,at=shard"
+"""trainer.checkpoint's save fault: the step-29 save of the victim's shard fails as a full disk would."""
+_GOOD = "step-00000019"
+"""The newest checkpoint left intact when the step-29 one is spoiled."""
+
+
+def _state_fault(name: str, what: str, klass: IncidentClass, faults: Faults) -> DrillSpec:
+    """An in-job fault of rank VICTIM's state at step FAULT_AFTER + 1: rolled back to the checkpoint before it."""
+    return DrillSpec(name=name, what=what, classes=(klass,), rank=VICTIM, relaunch=True, faults=faults,
+                     fault_step=FAULT_AFTER + 1, resume_from=_GOOD)
+
+
+def _killed_after(name: str, what: str, *, tamper: Tamper | None = None,
+                  env: tuple[tuple[str, str], ...] = ()) -> DrillSpec:
+    """The step-29 checkpoint spoiled (on disk, or its save failed), then rank VICTIM SIGKILLed past it: the
+    recovery must resume from the one before."""
+    return DrillSpec(name=name, what=f"{what}, then SIGKILL of rank {VICTIM}", classes=(IncidentClass.FAIL_STOP,),
+                     rank=VICTIM, relaunch=True, signal=signal.SIGKILL, after=_LATE, tamper=tamper, env=env,
+                     resume_from=_GOOD)
 
 
 DRILLS: dict[str, DrillSpec] = {
@@ -101,6 +174,25 @@ DRILLS: dict[str, DrillSpec] = {
     "hang": DrillSpec(name="hang", what=f"rank {VICTIM} stuck in step {FAULT_AFTER + 1} (heartbeats on)",
                       classes=(IncidentClass.HANG,), rank=VICTIM, relaunch=True,
                       faults=Faults().hang(rank=VICTIM, step=FAULT_AFTER + 1)),
+    "bitflip": _state_fault("bitflip", f"bit 30 of a gradient element flipped on rank {VICTIM} at step "
+                                       f"{FAULT_AFTER + 1}, before the all-reduce", IncidentClass.CORRUPTION,
+                            Faults().bitflip(rank=VICTIM, step=FAULT_AFTER + 1)),
+    "skew_rng": _state_fault("skew_rng", f"rank {VICTIM} draws one extra random number at step {FAULT_AFTER + 1}",
+                             IncidentClass.DIVERGENCE, Faults().skew_rng(rank=VICTIM, step=FAULT_AFTER + 1)),
+    "skew_data": _state_fault("skew_data", f"rank {VICTIM}'s data position one sample ahead from step "
+                                           f"{FAULT_AFTER + 1}", IncidentClass.DIVERGENCE,
+                              Faults().skew_data(rank=VICTIM, step=FAULT_AFTER + 1)),
+    "throttle": DrillSpec(name="throttle", what=f"rank 2's GPU thermal-throttled (+80 ms a step) from step "
+                                                f"{FAULT_AFTER}",
+                          classes=(IncidentClass.STRAGGLER,), rank=2, relaunch=False,
+                          faults=Faults().throttle(rank=2, from_step=FAULT_AFTER, delay_s=0.08),
+                          actions=(Action.OBSERVE, Action.QUARANTINE), device=True),
+    "corrupt_manifest": _killed_after("corrupt_manifest", "the step-29 checkpoint's manifest cut in half on disk",
+                                      tamper=Tamper.MANIFEST),
+    "corrupt_shard": _killed_after("corrupt_shard", f"one byte of rank {VICTIM}'s step-29 shard flipped on disk",
+                                   tamper=Tamper.SHARD),
+    "full_storage": _killed_after("full_storage", f"ENOSPC in rank {VICTIM}'s step-29 save (every attempt)",
+                                  env=((CHECKPOINT_FAULT_ENV, _SAVE_FAULT),)),
 }
 
 
@@ -196,12 +288,13 @@ def read_report(path: Path) -> tuple[DrillReport, ...]:
 
 
 def drill_config(run_dir: Path, faults: Faults | None = None) -> CanaryConfig:
-    """The drills' canary: 4 gloo ranks (dp=4 over 2 virtual hosts), small model, liveness every 0.25 s, part files
-    every 0.5 s, a checkpoint every 10 steps, fingerprints every 10, a 30 s collective timeout."""
+    """The drills' canary: 4 gloo ranks (dp=4 over 2 virtual hosts), small model paced to ~0.2 s a step, liveness
+    every 0.25 s, part files every 0.5 s, a checkpoint every 10 steps, fingerprints every 10, a 30 s collective
+    timeout."""
     return CanaryConfig(run_dir=run_dir, steps=STEPS, layout=Layout.parse("dp=4", nproc=4), hosts=2,
                         faults=faults or Faults(), gpu="replay", pg_timeout_s=30.0, flush_interval_s=0.5,
                         heartbeat_interval_s=0.25, gpu_interval_s=0.1, model=_SMALL, checkpoint_every=10,
-                        fingerprint_every=10)
+                        fingerprint_every=10, pace_s=PACE_S)
 
 
 def _final_fingerprints(run_dir: Path) -> dict[str, Any]:
@@ -285,6 +378,14 @@ def _steps(run_dir: Path) -> list[tuple[int, int, int, int]]:
     ).fetchall()]
 
 
+def _save_failed(run_dir: Path) -> bool:
+    """A save of attempt 0 committed nothing (its `checkpoint_failed` events)."""
+    from rankwatch.analytics.store import connect
+
+    return bool(connect(run_dir).execute(
+        "SELECT count(*) FROM events WHERE kind = 'checkpoint_failed' AND attempt = 0").fetchall()[0][0])
+
+
 def _lineage_why(run_dir: Path) -> str:
     from rankwatch.trainer.promises import evaluate
 
@@ -336,7 +437,7 @@ def run_drill(name: str, workdir: Path, *, say: Callable[[str], None] = print,
 
     partial: dict[str, Any] = {"name": name, "fault": spec.what, "run_dir": str(run_dir)}
     say(f"drill {name}: {spec.what}; canary {cfg.world_size} ranks, {STEPS} steps in {run_dir}")
-    with ManagerService(run_dir, secret=secret, job=cfg, launch_kw=_LAUNCH_KW) as svc:
+    with _environ(spec.env), ManagerService(run_dir, secret=secret, job=cfg, launch_kw=_LAUNCH_KW) as svc:
         watcher: threading.Thread | None = None
         try:
             # the monitor starts on a run that has begun recording (before, its part-file side has nothing to read)
@@ -367,6 +468,47 @@ def run_drill(name: str, workdir: Path, *, say: Callable[[str], None] = print,
     return report
 
 
+@contextmanager
+def _environ(pairs: Sequence[tuple[str, str]]) -> Iterator[None]:
+    """os.environ with `pairs` set (the ranks are spawned: they inherit it), restored after."""
+    saved = {k: os.environ.get(k) for k, _ in pairs}
+    os.environ.update(dict(pairs))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _tamper(run_dir: Path, how: Tamper, rank: int) -> str:
+    """Spoil the newest committed checkpoint on disk; one line saying what was done. RuntimeError when there is
+    none to spoil."""
+    from rankwatch.trainer.catalog import CHECKPOINT_DIR, MANIFEST
+
+    found = sorted(p for p in (run_dir / CHECKPOINT_DIR).glob("step-*") if (p / MANIFEST).is_file())
+    if not found:
+        raise RuntimeError(f"{run_dir / CHECKPOINT_DIR}: no committed checkpoint to tamper with")
+    ckpt = found[-1]
+    if how is Tamper.MANIFEST:
+        path = ckpt / MANIFEST
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        return f"cut {path} from {len(data)} to {len(data) // 2} bytes"
+    shards = sorted(ckpt.glob(f"rank-{rank:05d}*"))
+    if not shards:
+        raise RuntimeError(f"{ckpt}: no per-rank state file of rank {rank}")
+    path = shards[0]
+    with path.open("r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return f"flipped the byte at offset {path.stat().st_size // 2} of {path}"
+
+
 def _exit_wall_ns(run_dir: Path, rank: int) -> int | None:
     """The wall clock of the launcher's exit record of `rank` (live/exit-<r>.json), None before it exists."""
     from rankwatch.analytics.liveness import parse_exit_record
@@ -393,9 +535,11 @@ def _victim_step(monitor: Monitor, rank: int) -> int | None:
 def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: Path, ref: Mapping[str, Any],
            partial: dict[str, Any], say: Callable[[str], None], failed: list[BaseException]) -> DrillReport:
     manager = svc.manager
-    _wait(lambda: (_victim_step(monitor, spec.rank) or -1) >= (FAULT_AFTER if spec.signal else FAULT_AFTER - 2),
-          120, f"rank {spec.rank} at step {FAULT_AFTER}", failed)
+    first = spec.after if spec.signal is not None else FAULT_AFTER - 2
+    _wait(lambda: (_victim_step(monitor, spec.rank) or -1) >= first, 120, f"rank {spec.rank} at step {first}", failed)
     if spec.signal is not None:
+        if spec.tamper is not None:
+            say(f"drill {spec.name}: {_tamper(run_dir, spec.tamper, spec.rank)}")
         pid = int(manager.status()["job"]["pids"][spec.rank])
         os.kill(pid, spec.signal)
         clock.mark()
@@ -409,19 +553,27 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
         _wait(lambda: _exit_wall_ns(run_dir, spec.rank) is not None, 60, f"rank {spec.rank}'s exit record", failed)
         clock.mark(_exit_wall_ns(run_dir, spec.rank))
         say(f"drill {spec.name}: rank {spec.rank} exited")
-    else:  # the slow fault: its instant is the slow rank's first slowed step
-        _wait(lambda: (_victim_step(monitor, spec.rank) or -1) >= FAULT_AFTER, 60, f"rank {spec.rank} slowed", failed)
+    else:  # a slow, throttle, flip or skew fault: its instant is when the monitor saw the rank complete its step
+        at = FAULT_AFTER if spec.fault_step is None else spec.fault_step
+        _wait(lambda: (_victim_step(monitor, spec.rank) or -1) >= at, 60, f"rank {spec.rank} past step {at}", failed)
         clock.mark()
-        say(f"drill {spec.name}: rank {spec.rank} slowed from step {FAULT_AFTER}")
+        say(f"drill {spec.name}: rank {spec.rank} completed step {at} with the fault")
     assert clock.mono is not None
     subject = f"rank:{spec.rank}"
 
-    def detection() -> Any:
-        return next((s for s in list(monitor.seen) if s.incident.klass in spec.classes
-                     and str(s.incident.subject) == subject and s.at >= clock.mono - 0.5), None)  # type: ignore[operator]
+    def named(inc: Incident) -> bool:
+        if spec.device:
+            return inc.subject.kind is SubjectKind.DEVICE and spec.rank in inc.ranks
+        return str(inc.subject) == subject
 
-    _wait(lambda: detection() is not None, 60, f"{'/'.join(spec.classes)} {subject} detected", failed)
+    def detection() -> Any:
+        return next((s for s in list(monitor.seen) if s.incident.klass in spec.classes and named(s.incident)
+                     and s.at >= clock.mono - 0.5), None)  # type: ignore[operator]
+
+    wanted = f"rank {spec.rank}'s device" if spec.device else subject
+    _wait(lambda: detection() is not None, 60, f"{'/'.join(spec.classes)} {wanted} detected", failed)
     seen = detection()
+    subject = str(seen.incident.subject)
     partial.update(detected=f"{seen.incident.klass} {subject}", detect_s=round(seen.at - clock.mono, 3))
     say(f"drill {spec.name}: detected {seen.incident.klass} {subject} after {partial['detect_s']:.2f}s "
         f"({seen.source})")
@@ -457,9 +609,9 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
     attempts = status["attempts"]
     partial["attempts"] = len(attempts)
     steps = _steps(run_dir)
+    recs = sorted((run_dir / "recovery").glob("recovery-*.json"))
+    rec: dict[str, Any] | None = json.loads(recs[0].read_text()) if recs else None
     if spec.relaunch:
-        recs = sorted((run_dir / "recovery").glob("recovery-*.json"))
-        rec = json.loads(recs[0].read_text()) if recs else None
         if rec is not None:
             partial["recovery"] = f"{rec['id']}: {rec['outcome']}"
             ours = [d for d in rec["decisions"] if d["class"] in spec.classes and d["subject"] == subject]
@@ -493,13 +645,23 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
             return fail("no recovery record" if rec is None else f"{rec['id']}: outcome {rec['outcome']}")
         if not ours:
             return fail(f"{rec['id']} does not name {'/'.join(spec.classes)} {subject}")
+        if spec.actions and dec["action"] not in spec.actions:
+            return fail(f"the decision was {dec['action']}, not {' or '.join(spec.actions)}")
         if len(attempts) < 2 or attempts[-1]["resume_from"] is None:
             return fail("the new attempt did not resume from a checkpoint")
+        if spec.resume_from is not None and attempts[-1]["resume_from"] != spec.resume_from:
+            return fail(f"the new attempt resumed from {attempts[-1]['resume_from']}, not {spec.resume_from} (the "
+                        f"newest checkpoint a sound recovery may use)")
     else:
-        if dec["action"] != "observe":
-            return fail(f"the decision was {dec['action']}, not observe")
+        allowed = spec.actions or (Action.OBSERVE,)
+        if dec["action"] not in allowed:
+            return fail(f"the decision was {dec['action']}, not {' or '.join(allowed)}")
+        if dec["action"] == Action.QUARANTINE and (rec is None or not rec["quarantined"]):
+            return fail("a quarantine decision, but no recovery record quarantined anything")
         if len(attempts) != 1:
             return fail(f"{len(attempts)} attempts: the job was restarted")
+    if spec.env and not _save_failed(run_dir):
+        return fail("the save fault never fired: no checkpoint_failed event in attempt 0")
     final = _final_fingerprints(run_dir)
     same = final["step"] == ref["step"] and final["ranks"] == ref["ranks"]
     partial["bitwise"] = same
@@ -508,8 +670,10 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
                          if ref["ranks"].get(r, {}).get(k) != v})
         return fail(f"final fingerprints (step {final['step']}) differ from the reference's (step {ref['step']}: "
                     f"{', '.join(differ) or 'ranks'}); {_lineage_why(run_dir)}")
-    return DrillReport(**partial, passed=True,
-                       reason=f"final fingerprints at step {final['step']} bitwise equal to the reference run")
+    why = f"final fingerprints at step {final['step']} bitwise equal to the reference run"
+    if spec.resume_from is not None and rec is not None:
+        why += f"; resumed from {spec.resume_from}, retired: {', '.join(rec['retired']) or 'none'}"
+    return DrillReport(**partial, passed=True, reason=why)
 
 
 def run_drills(names: Iterable[str], workdir: Path, *, say: Callable[[str], None] = print) -> tuple[DrillReport, ...]:

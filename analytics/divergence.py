@@ -378,6 +378,7 @@ def _incident(
         domains = {d for d, _, _ in members}
         ranks = sorted(set(ranks) | set(_domain_members(frames, domains)))
     notes = _preceded_by(frames, {d for d, _, _ in members}, onset, onset_wall)
+    good = _last_agreed(frames, {d for d, _, _ in members}, onset)
     fields += notes
     cause = _cause(at_onset, cause_override)
     who = f"{subject}" if blamed_ else f"{subject} (no majority: nobody is blamed)"
@@ -398,8 +399,17 @@ def _incident(
     return Incident(
         klass=klass, subject=subject, ranks=tuple(ranks), onset_step=onset, detection_step=onset,
         confidence=confidence, cause=cause, summary=summary, detection_wall_ns=onset_wall, fields=tuple(fields),
-        evidence=evidence,
+        evidence=evidence, last_good_step=good,
     )
+
+
+def _last_agreed(frames: Frames, domains: set[str], onset: int) -> int | None:
+    """The domains' latest fingerprint step before `onset` (the last one known to agree: the departure's first
+    fingerprint is the onset), None when there is none. The fault happened after it."""
+    fp = frames.fingerprints.filter(pl.col(Fingerprints.DOMAIN).is_in(list(domains))
+                                    & (pl.col(Fingerprints.STEP) < onset))
+    step = fp[Fingerprints.STEP].max()
+    return None if step is None else int(step)  # type: ignore[arg-type]
 
 
 def _domain_members(frames: Frames, domains: set[str]) -> list[int]:

@@ -159,7 +159,10 @@ class Incident:
     evidence to raise it (onset + the persistence it requires); `detection_wall_ns` that step's wall-clock end.
     `fields` names what disagreed or was abnormal (fingerprint fields, counters, signals). `hardware` is the direct
     hardware evidence found on the subject device (an `Evidence` item shows the rows); non-empty only for a DEVICE
-    subject, and then the incident is a device fault."""
+    subject, and then the incident is a device fault. `last_good_step`, where the evidence is sampled (fingerprints
+    every N steps), is the last step the subject's state was seen sound (the previous fingerprint its domain agreed
+    on): the fault lies somewhere in (last_good_step, onset_step], so a recovery point saved after last_good_step may
+    already hold it. None when the onset is exact (or nothing earlier was seen)."""
 
     klass: IncidentClass
     subject: Subject
@@ -174,6 +177,7 @@ class Incident:
     evidence: tuple[Evidence, ...] = ()
     attempt: int | None = None
     hardware: tuple[HardwareSignal, ...] = ()
+    last_good_step: int | None = None
     id: str = field(default="")
 
     def __post_init__(self) -> None:
@@ -183,6 +187,10 @@ class Incident:
             raise ValueError(f"incident {self.klass} {self.subject}: hardware evidence {[str(h) for h in self.hardware]} "
                              "names a device, but the subject is not one")
         object.__setattr__(self, "hardware", tuple(dict.fromkeys(HardwareSignal(h) for h in self.hardware)))
+        if (self.last_good_step is not None and self.onset_step is not None
+                and not self.last_good_step < self.onset_step):
+            raise ValueError(f"incident {self.klass} {self.subject}: last good step {self.last_good_step} is not "
+                             f"before the onset at step {self.onset_step}")
         object.__setattr__(self, "ranks", tuple(sorted({int(r) for r in self.ranks})))
         if not self.id:
             key = f"{self.klass}|{self.subject}|{self.onset_step}|{','.join(map(str, self.ranks))}"
@@ -201,6 +209,7 @@ class Incident:
             "subject": self.subject.id,
             "ranks": list(self.ranks),
             "onset_step": self.onset_step,
+            "last_good_step": self.last_good_step,
             "detection_step": self.detection_step,
             "detection_wall_ns": self.detection_wall_ns,
             "confidence": round(self.confidence, 4),
@@ -225,6 +234,7 @@ class Incident:
                 subject=Subject(kind=SubjectKind(d["subject_kind"]), id=str(d["subject"])),
                 ranks=tuple(d["ranks"]),
                 onset_step=d["onset_step"],
+                last_good_step=d.get("last_good_step"),
                 detection_step=d["detection_step"],
                 detection_wall_ns=d.get("detection_wall_ns"),
                 confidence=float(d["confidence"]),
@@ -261,7 +271,7 @@ _TABLE_SCHEMA = pa.schema([
     ("ranks", pa.list_(pa.int32())), ("onset_step", pa.int64()), ("detection_step", pa.int64()),
     ("detection_wall_ns", pa.int64()), ("confidence", pa.float64()), ("cause", pa.string()),
     ("summary", pa.string()), ("fields", pa.list_(pa.string())), ("attempt", pa.int32()), ("evidence", pa.string()),
-    ("device_fault", pa.bool_()), ("hardware", pa.list_(pa.string())),
+    ("device_fault", pa.bool_()), ("hardware", pa.list_(pa.string())), ("last_good_step", pa.int64()),
 ])
 
 

@@ -470,6 +470,10 @@ def _state_fault(incident: Incident, gate: GateResult | None, catalog: Checkpoin
     bound = incident.onset_step if incident.onset_step is not None else incident.detection_step
     if bound is None:
         reasons.append("onset unknown: the newest checkpoint may already hold the fault; verify after rollback")
+    elif incident.last_good_step is not None and incident.last_good_step + 1 < bound:
+        reasons.append(f"seen at step {bound}, sound last at step {incident.last_good_step}: only checkpoints up to "
+                       f"step {incident.last_good_step} are clean")
+        bound = incident.last_good_step + 1
     else:
         reasons.append(f"only checkpoints before the onset at step {bound} are clean")
     ckpt = catalog.newest(before_step=bound)
@@ -714,11 +718,12 @@ def write_decision_doc(path: Path, cases: Sequence[DecisionCase] | None = None) 
 
 
 def _inc(klass: IncidentClass, ranks: tuple[int, ...], cause: Cause, *, subject: Subject | None = None,
-         onset: int | None = 120, hardware: tuple[HardwareSignal, ...] = ()) -> Incident:
+         onset: int | None = 120, hardware: tuple[HardwareSignal, ...] = (),
+         last_good: int | None = None) -> Incident:
     subj = subject if subject is not None else Subject(kind=SubjectKind.RANK, id=",".join(map(str, ranks)))
     return Incident(klass=klass, subject=subj, ranks=ranks, onset_step=onset,
                     detection_step=None if onset is None else onset + 5, confidence=0.9, cause=cause,
-                    summary=f"{klass} on ranks {list(ranks)}", hardware=hardware)
+                    summary=f"{klass} on ranks {list(ranks)}", hardware=hardware, last_good_step=last_good)
 
 
 _JOB = (0, 1, 2, 3, 4, 5, 6, 7)
@@ -819,6 +824,8 @@ def _cases() -> tuple[DecisionCase, ...]:
     add("divergence-onset-before-ckpt", _inc(V, (2,), Cause.DATA_POSITION_MISMATCH, onset=80), _gate(_D, _JOB))
     add("divergence-onset-before-all", _inc(V, (2,), Cause.STEP_MISMATCH, onset=20), _gate(_D, _JOB))
     add("divergence-onset-unknown", _inc(V, (2,), Cause.STEP_MISMATCH, onset=None), _gate(_D, _JOB))
+    # seen at fingerprint step 120, sound last at fingerprint step 90: the step-100 checkpoint may hold the fault
+    add("divergence-sampled-onset", _inc(V, (2,), Cause.RNG_MISMATCH, last_good=90), _gate(_D, _JOB))
     add("divergence-nockpt", div, _gate(_D, _JOB), cat=_NO_CKPT)
 
     corr = _inc(C, (4,), Cause.VALUE_MISMATCH)

@@ -8,8 +8,10 @@ attempt): "replayed step N differs from attempt K: param, optim", onset at the f
 
 Pairs whose consistency domain changed membership (a resume onto another dp degree) are not compared: such a resume
 is CHANGED in the lineage already, and its replay is not expected to match. Nor are steps at and after the first
-step where the earlier attempt's own replicas disagreed: a rollback that undoes a divergence or a corruption must
-end elsewhere than the attempt it undoes, and that is the recovery working, not a nondeterministic replay.
+step where the earlier attempt's own replicas disagreed, or at and after a later attempt's `replay_basis` event (a
+recovery that undid a state fault records where the fault may have begun: a corrupt gradient all-reduced into every
+replica leaves them agreeing): a rollback that undoes a divergence or a corruption must end elsewhere than the
+attempt it undoes, and that is the recovery working, not a nondeterministic replay.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import polars as pl
 from rankwatch.analytics.divergence import FIELDS, HASH_COLUMNS, short_ranks
 from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
-from rankwatch.collector.schema import Fingerprints
+from rankwatch.collector.schema import EventKind, Fingerprints
 
-__all__ = ["COMPARISON_SCHEMA", "ReplayCheck", "detect_replay_divergence", "replay_checks", "replay_comparisons"]
+__all__ = ["COMPARISON_SCHEMA", "ReplayCheck", "detect_replay_divergence", "replay_bases", "replay_checks",
+           "replay_comparisons"]
 
 COMPARISON_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
     "rank": pl.Int32, "step": pl.Int64, "domain": pl.String, "attempt": pl.Int32, "earlier_attempt": pl.Int32,
@@ -60,6 +63,11 @@ def replay_comparisons(frames: Frames) -> pl.DataFrame:
         & (pl.col("members_e") == pl.col("members"))
     ).join(diverged, on=[f"{Fingerprints.ATTEMPT}_e", f"{Fingerprints.DOMAIN}_e"], how="left").filter(
         pl.col("diverged_from").is_null() | (pl.col(Fingerprints.STEP) < pl.col("diverged_from")))
+    # Nor after a recovery's replay basis: an attempt that undid a state fault its replicas all agreed on (a bad
+    # gradient all-reduced into every rank) says where the attempts it replaced stop being a reference.
+    for undoing, from_step in replay_bases(frames):
+        pairs = pairs.filter(~((pl.col(f"{Fingerprints.ATTEMPT}_e") < undoing)
+                               & (pl.col(Fingerprints.ATTEMPT) >= undoing) & (pl.col(Fingerprints.STEP) >= from_step)))
     if pairs.height == 0:
         return pl.DataFrame(schema=COMPARISON_SCHEMA)
     differing = pl.concat_list([
@@ -72,6 +80,16 @@ def replay_comparisons(frames: Frames) -> pl.DataFrame:
         pl.col(f"{Fingerprints.ATTEMPT}_e").cast(pl.Int32).alias("earlier_attempt"), differing.alias("fields"),
         pl.col(Fingerprints.WALL_NS).alias("wall_ns"),
     ).sort("attempt", "earlier_attempt", "step", "rank")
+
+
+def replay_bases(frames: Frames) -> tuple[tuple[int, int], ...]:
+    """(attempt, step) of every `replay_basis` event: the attempts before `attempt` are a replay reference for it
+    and its successors only before `step`."""
+    ev = frames.events
+    if ev.height == 0:
+        return ()
+    rows = ev.filter(pl.col("kind") == str(EventKind.REPLAY_BASIS)).select("attempt", "step").drop_nulls().unique()
+    return tuple(sorted((int(a), int(s)) for a, s in rows.iter_rows()))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -889,9 +889,12 @@ class Collector:
         signal_number: int | None = None,
         exit_code: int | None = None,
         dropped_rows: int | None = None,
+        step: int | None = None,
     ) -> None:
-        current = self._current
-        step = current.step if current is not None else self._last_step
+        """One event row; its step is the current (or last) one unless `step` names the step it is about."""
+        if step is None:
+            current = self._current
+            step = current.step if current is not None else self._last_step
         self._append(
             Table.EVENTS,
             (

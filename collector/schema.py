@@ -225,6 +225,9 @@ class EventKind(StrEnum):
     CHECKPOINT_FAILED = "checkpoint_failed"
     """A save that committed nothing: which rank failed and how, and what became of its partial files (removed,
     bytes freed) — the description of a partial that is not kept."""
+    REPLAY_BASIS = "replay_basis"
+    """Rank 0 of an attempt that undoes a state fault (corruption, divergence): the attempts it replaces are a
+    replay reference only before the event's `step`, where the fault may have begun (their later states held it)."""
 
 
 class CollectiveStatus(StrEnum):

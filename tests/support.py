@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rankwatch.analytics.store import connect
 from rankwatch.trainer import CanaryConfig, Faults, LaunchResult, Layout, launch
+from rankwatch.trainer.catalog import (
+    CHECKPOINT_DIR, DCP_METADATA, MANIFEST, Manifest, ShardFile, Versions, checkpoint_id, rank_shard_name,
+)
 from rankwatch.trainer.model import ModelConfig
 
 #: A small model keeps 8 ranks on 2 cores fast; the code paths are the same as the default's.
@@ -44,3 +48,26 @@ def run(cfg: CanaryConfig, **kw: Any) -> LaunchResult:
 def rows(run_dir: Path, sql: str) -> list[tuple[Any, ...]]:
     return connect(run_dir).execute(sql).fetchall()
 
+
+LAYOUT = Layout(dp=2, tp=2)
+"""The layout of `make_checkpoint`'s checkpoints unless told otherwise."""
+VERSIONS = Versions(rankwatch="0.1.0", torch="2.13.0", python="3.11.9", numpy="2.0.0", config_sha256="0" * 64, seed=0)
+
+
+def make_checkpoint(run_dir: Path, step: int, *, layout: Layout = LAYOUT, tmp: bool = False) -> Path:
+    """A committed-looking checkpoint: a DCP metadata file, one data file and one rank file per rank."""
+    name = checkpoint_id(step)
+    path = run_dir / CHECKPOINT_DIR / (f".{name}.tmp" if tmp else name)
+    (path / "model_optim").mkdir(parents=True)
+    contents = {DCP_METADATA: (0, b"meta" * 10)}
+    for r in range(layout.world_size):
+        contents[f"model_optim/__{r}_0.distcp"] = (r, bytes([r]) * (100 + step))
+        contents[rank_shard_name(r)] = (r, f"rank {r} step {step}".encode() * 5)
+    files = []
+    for rel, (rank, data) in sorted(contents.items()):
+        (path / rel).write_bytes(data)
+        files.append(ShardFile(path=rel, size=len(data), sha256=hashlib.sha256(data).hexdigest(), rank=rank))
+    manifest = Manifest(checkpoint_id=name, step=step, world_size=layout.world_size, layout=layout, versions=VERSIONS,
+                        files=tuple(files), created_wall_ns=1)
+    (path / MANIFEST).write_text(manifest.to_json())
+    return path

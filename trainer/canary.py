@@ -34,6 +34,7 @@ from rankwatch.collector.collector import Collector, CollectorConfig
 from rankwatch.collector.collectives import GroupInfo
 from rankwatch.collector.gpu import ReplaySampler, open_sampler, replay_uuid
 from rankwatch.collector.null import NullCollector
+from rankwatch.collector.schema import EventKind
 from rankwatch.trainer.checkpoint import CheckpointConfig, CheckpointFault, current_versions, save_checkpoint
 from rankwatch.trainer.determinism import DDP_BUCKET_CAP_MB, DeterminismInputs, pin_ddp_buckets
 from rankwatch.trainer.faults import FlipTarget, Faults
@@ -115,6 +116,13 @@ class CanaryConfig:
     resume_from: str | None = None
     """With `resume`: this checkpoint ('step-XXXXXXXX') instead of the newest usable one (a rollback to before an
     incident's onset); it must be committed, verified and loadable, or the resume fails naming why."""
+    pace_s: float = 0.0
+    """Every rank computes this much longer per step (a sleep in its forward phase; the numerics are untouched), as a
+    bigger model would: the drills pace their small canary so a fault lands mid-run, not after its last step."""
+    replay_basis: int | None = None
+    """Set by a recovery that undoes a state fault (corruption, divergence) that may have begun at this step: the
+    attempts this one replaces are a replay reference only before it (rank 0 records a `replay_basis` event), so
+    their corrupted steps are not read as a nondeterministic replay."""
     record_step_times: bool = False
     """Write each rank's step end times (perf_counter ns, measured outside the collector), and its training
     thread's and process's CPU time at each step end, to <run>/step_times/rank-<r>.json: the same clocks for
@@ -127,6 +135,8 @@ class CanaryConfig:
             raise ValueError(f"--gpu {self.gpu!r}: valid values are {', '.join(GPU_MODES)}")
         if self.device_shift < 0:
             raise ValueError(f"device shift must be >= 0, got {self.device_shift}")
+        if self.pace_s < 0:
+            raise ValueError(f"pace must be >= 0 s, got {self.pace_s}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.global_batch % (self.layout.dp * self.microbatches):
@@ -390,6 +400,9 @@ class _Rank:
         self.batches = self.c.wrap_loader(self.loader, position=lambda: self.loader.position)
         self.step = -1
         self.start_step = 0
+        if self.cfg.replay_basis is not None and self.rank == 0:
+            self.c.event(EventKind.REPLAY_BASIS, step=self.cfg.replay_basis,
+                         message=f"earlier attempts are a replay reference before step {self.cfg.replay_basis} only")
         if self.cfg.resume:
             resumed = resume(self.c, self.cfg, rank=self.rank, groups=self.groups, model=self.stage,
                              optimizer=self.optimizer)
@@ -490,7 +503,7 @@ class _Rank:
             with self.c.phase("data"):
                 x, y = next(self.batches)
                 x, y = x.to(self.device), y.to(self.device)
-            delay = self.faults.compute_delay_s(self.rank, step) if self.faults else 0.0
+            delay = (self.faults.compute_delay_s(self.rank, step) if self.faults else 0.0) + cfg.pace_s
             factor = self.faults.device_factor(self.rank, step) if self.extra is not None else 1.0
             frozen = self.faults.freeze_s(self.rank, step) if self.faults else 0.0
             losses: list[torch.Tensor] = []

@@ -99,6 +99,8 @@ def record_launch(cfg: CanaryConfig) -> int:
             "backend": cfg.backend,
             "resume": cfg.resume,
             "resume_from": cfg.resume_from,
+            "replay_basis": cfg.replay_basis,
+            "pace_s": cfg.pace_s,
             "device_shift": cfg.device_shift,
             "slots_per_host": cfg.slots_per_host,
             "pin_ddp_buckets": cfg.pin_ddp_buckets,

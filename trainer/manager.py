@@ -430,6 +430,7 @@ def apply(
         for r in retired:
             say(f"{rid}: retired checkpoint {r}")
         faults = cfg.faults if keep_faults else Faults()
+        cfg = replace(cfg, replay_basis=replay_basis(plan))
         if plan.checkpoint is None:
             last = last_completed_step(run_dir, before_attempt=len(_launches(run_dir)))
             book = Lineage(lineage_path(run_dir))
@@ -461,6 +462,24 @@ def apply(
                             relaunch=result, outcome=str(outcome), refused=refused if plan.relaunch else "")
     _write_json(run_dir / RECOVERY_DIR / f"{rid}.json", _record_json(record))
     return record
+
+
+def replay_basis(plan: RecoveryPlan) -> int | None:
+    """The step from which the attempts a relaunch replaces stop being a replay reference: the earliest step a state
+    fault it undoes (corruption, divergence) may have begun at — after its last good fingerprint, else its onset,
+    else just past the checkpoint resumed from. None when it undoes none."""
+    steps = []
+    for d in plan.decided:
+        inc = d.incident
+        if inc.klass not in (IncidentClass.CORRUPTION, IncidentClass.DIVERGENCE):
+            continue
+        if inc.last_good_step is not None:
+            steps.append(inc.last_good_step + 1)
+        elif inc.onset_step is not None:
+            steps.append(inc.onset_step)
+        else:
+            steps.append(plan.checkpoint.step + 1 if plan.checkpoint is not None else 0)
+    return min(steps) if steps else None
 
 
 def _record_json(r: RecoveryRecord) -> dict[str, Any]:
@@ -580,6 +599,7 @@ def config_from_run(run_dir: Path) -> CanaryConfig:
             grad_norm=bool(last.get("grad_norm", True)),
             pin_ddp_buckets=bool(last.get("pin_ddp_buckets", True)),
             deterministic_algorithms=bool(last.get("deterministic_algorithms", False)),
+            pace_s=float(last.get("pace_s", 0.0)),
         )
     except KeyError as exc:
         raise ValueError(f"{Path(run_dir) / RUN_FILE}: launch record lacks {exc} (written by an older rankwatch)") from None

@@ -36,7 +36,8 @@ What a decision does (only signed "decision" messages act):
 Actions are serialized: one worker thread takes decisions in arrival order. A decision arriving while a recovery runs
 is queued; when its turn comes, `assess` skips what earlier recoveries handled, so one whose incident the running
 recovery covered ends as "covered by recovery-NNNN" with nothing done twice. A decision about an incident of an
-attempt that a later attempt already replaced never stops the newer attempt.
+attempt that a later attempt already replaced, or about one a recovery acted on (its record names it, or it is in the
+plan being applied), never stops the newer attempt.
 
 POST /alertmanager — deliveries of a real Alertmanager (which cannot sign): `Authorization: Bearer <token>` or 401;
 deduplicated by groupKey + status + sorted alert fingerprints; recorded as evidence only (<run>/manager/
@@ -498,6 +499,8 @@ class Manager:
         self._refused: Counter[str] = Counter()
         self._queue: queue.Queue[tuple[str, AlertMessage] | None] = queue.Queue()
         self._closing = False
+        self._acting: frozenset[str] = frozenset()
+        """The incidents of the plan being applied (its record is written only once the relaunch ends)."""
         self._db: _State | None = None
         self._worker: threading.Thread | None = None
         self._job_thread: threading.Thread | None = None
@@ -638,6 +641,13 @@ class Manager:
             inc_attempt = message.incident.attempt
             if inc_attempt is not None and cur.number is not None and inc_attempt < cur.number:
                 return False
+            if message.incident.id in self._acting:  # the running attempt is the recovery from this very incident
+                return False
+        if _covering(self.run_dir, message.incident.id) is not None:
+            return False
+        with self._lock:
+            if cur.done.is_set():
+                return False
             cur.stop.set()
             return True
 
@@ -739,6 +749,9 @@ class Manager:
         if inc_attempt is not None and inc_attempt < latest:
             return (f"covered: incident of attempt {inc_attempt}, which attempt {latest} replaced",
                     _latest_recovery(self.run_dir))
+        covering = _covering(self.run_dir, message.incident.id)
+        if covering is not None:  # acted on already (the same incident reported again, or by the post-hoc reading)
+            return f"covered by {covering}: acted on already", covering
         with self._lock:
             cur = self._current
         if cur is not None and not cur.done.is_set():
@@ -758,7 +771,13 @@ class Manager:
             if covering is not None:
                 return f"covered by {covering}: nothing new to act on", covering
             return f"nothing to recover ({plan.lines()[-1]}); the job stays {before}", None
-        rec = apply(cfg, plan, launcher=self._run_attempt, say=lambda s: log.info("%s", s))
+        with self._lock:
+            self._acting = frozenset({*(d.incident.id for d in plan.decided), *plan.skipped, message.incident.id})
+        try:
+            rec = apply(cfg, plan, launcher=self._run_attempt, say=lambda s: log.info("%s", s))
+        finally:
+            with self._lock:
+                self._acting = frozenset()
         if rec.refused:  # nothing left to place the job on off the quarantine list (the record says so)
             with self._lock:
                 self._state = JobState.FAILED

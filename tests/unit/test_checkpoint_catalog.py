@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -10,43 +9,21 @@ import pytest
 
 from rankwatch.trainer.catalog import (
     CHECKPOINT_DIR,
-    DCP_METADATA,
     MANIFEST,
-    Manifest,
     ShardFile,
     Verdict,
-    Versions,
-    checkpoint_id,
     choose,
     list_checkpoints,
     rank_shard_name,
 )
 from rankwatch.trainer.checkpoint import CheckpointConfig, CheckpointFault, FaultAction, SavePoint
 from rankwatch.trainer.parallel import Layout
+from support import LAYOUT as SUPPORT_LAYOUT
+from support import make_checkpoint
 
 pytestmark = pytest.mark.timeout(30)
 
-LAYOUT = Layout(dp=2, tp=2)
-VERSIONS = Versions(rankwatch="0.1.0", torch="2.13.0", python="3.11.9", numpy="2.0.0", config_sha256="0" * 64, seed=0)
-
-
-def make_checkpoint(run_dir: Path, step: int, *, layout: Layout = LAYOUT, tmp: bool = False) -> Path:
-    """A committed-looking checkpoint: a DCP metadata file, one data file and one rank file per rank."""
-    name = checkpoint_id(step)
-    path = run_dir / CHECKPOINT_DIR / (f".{name}.tmp" if tmp else name)
-    (path / "model_optim").mkdir(parents=True)
-    contents = {DCP_METADATA: (0, b"meta" * 10)}
-    for r in range(layout.world_size):
-        contents[f"model_optim/__{r}_0.distcp"] = (r, bytes([r]) * (100 + step))
-        contents[rank_shard_name(r)] = (r, f"rank {r} step {step}".encode() * 5)
-    files = []
-    for rel, (rank, data) in sorted(contents.items()):
-        (path / rel).write_bytes(data)
-        files.append(ShardFile(path=rel, size=len(data), sha256=hashlib.sha256(data).hexdigest(), rank=rank))
-    manifest = Manifest(checkpoint_id=name, step=step, world_size=layout.world_size, layout=layout, versions=VERSIONS,
-                        files=tuple(files), created_wall_ns=1)
-    (path / MANIFEST).write_text(manifest.to_json())
-    return path
+LAYOUT = SUPPORT_LAYOUT
 
 
 def verdicts(run_dir: Path, **kw: object) -> dict[str, tuple[Verdict, str]]:

@@ -161,3 +161,13 @@ def test_agreement_and_single_member_domains_give_nothing() -> None:
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="min_majority_members"):
         DivergenceConfig(min_majority_members=2)
+
+
+def test_a_sampled_departure_says_the_last_fingerprint_that_agreed() -> None:
+    # fingerprints every 10 steps: a departure first seen at 30 may have begun anywhere after 20
+    topo, domains = _layout(dp=4, pp=1)
+    (inc,) = detect_divergence(Frames.build(topology=topo, fingerprints=_fingerprints(domains, {(2, "rng_torch"): 30})))
+    assert (inc.onset_step, inc.last_good_step) == (30, 20)
+    (first,) = detect_divergence(Frames.build(topology=topo, fingerprints=_fingerprints(domains, {(1, "rng_torch"): 0})))
+    assert (first.onset_step, first.last_good_step) == (0, None)  # nothing earlier was seen
+    assert first.to_dict()["last_good_step"] is None and inc.to_dict()["last_good_step"] == 20

@@ -9,9 +9,12 @@ import pytest
 
 from rankwatch.cli import main
 from rankwatch.drills import (
-    DRILLS, REPORT_FILE, DrillReport, drill_config, read_report, report_json, report_table, run_drill, write_report,
+    DRILLS, REPORT_FILE, DrillReport, Tamper, _tamper, drill_config, read_report, report_json, report_table, run_drill,
+    write_report,
 )
 from rankwatch.monitor import Monitor
+from rankwatch.trainer.catalog import Verdict, list_checkpoints
+from support import make_checkpoint
 
 PASS = DrillReport(name="sigkill", fault="SIGKILL of rank 1", passed=True, reason="bitwise equal", detected="fail_stop rank:1",
                    detect_s=0.23, decision="restart_job (job)", decision_s=0.27, recovery="recovery-0001: recovered",
@@ -53,7 +56,23 @@ def test_every_drill_config_is_valid(tmp_path: Path) -> None:
         cfg = drill_config(tmp_path / spec.name, spec.faults)
         assert cfg.world_size == 4 and cfg.checkpoint_every and cfg.fingerprint_every
         assert spec.rank < cfg.world_size
-        assert (spec.signal is None) != (not spec.faults.specs())  # one fault each: a signal or an in-job one
+        # one fault each: an outside signal (after a spoiled checkpoint or under a save fault) or an in-job one
+        assert (spec.signal is not None) != bool(spec.faults.specs()), spec.name
+        assert spec.tamper is None and not spec.env or spec.signal is not None, spec.name
+
+
+def test_tampering_spoils_the_newest_committed_checkpoint_so_the_catalog_rejects_it(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for step in (9, 19):
+        make_checkpoint(run, step)
+    assert "cut" in _tamper(run, Tamper.MANIFEST, 1)
+    make_checkpoint(run, 29)
+    assert "flipped the byte" in _tamper(run, Tamper.SHARD, 1)
+    got = {c.path.name: c.verdict for c in list_checkpoints(run, verify=True)}
+    assert got == {"step-00000009": Verdict.COMMITTED, "step-00000019": Verdict.CORRUPT,
+                   "step-00000029": Verdict.CORRUPT}
+    with pytest.raises(RuntimeError, match="no committed checkpoint to tamper with"):
+        _tamper(tmp_path / "empty", Tamper.SHARD, 1)
 
 
 def test_an_unknown_drill_is_a_value_error(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from rankwatch.trainer.launch import RUN_FILE, LaunchResult
 from rankwatch.trainer.lineage import lineage_path, read, verify
 from rankwatch.trainer.manager import (
     QUARANTINE_FILE, RECOVERY_DIR, JobDeclaration, apply, canary_declaration, config_from_run, plan_recovery,
-    quarantined,
+    quarantined, replay_basis,
 )
 from rankwatch.trainer.parallel import Layout
 
@@ -131,6 +131,7 @@ def test_apply_a_rollback_retires_newer_and_partial_checkpoints_and_relaunches_b
     rec = apply(cfg, plan, launcher=launcher)
     [again] = launcher.calls
     assert again.resume and again.resume_from == "step-00000004" and not again.faults.specs()
+    assert again.replay_basis == 7  # attempt 0 is a replay reference only before the divergence's onset
     names = sorted(p.name for p in (cfg.run_dir / CHECKPOINT_DIR).iterdir())
     assert names == [".retired-step-00000009-corrupt-recovery-0001", ".retired-step-00000012-partial-recovery-0001",
                      "step-00000004"]
@@ -139,6 +140,21 @@ def test_apply_a_rollback_retires_newer_and_partial_checkpoints_and_relaunches_b
     assert doc["checkpoint"] == "step-00000004" and doc["decisions"][0]["action"] == "rollback_domain"
     assert doc["decisions"][0]["path"][-1].startswith("-> roll back")
     assert not lineage_path(cfg.run_dir).exists()  # the resumed job records its own rollback once the gate agreed
+
+
+def test_the_replay_basis_is_where_an_undone_state_fault_may_have_begun() -> None:
+    sampled = Incident(klass=IncidentClass.DIVERGENCE, subject=Subject(kind=SubjectKind.RANK, id="1"), ranks=(1,),
+                       onset_step=10, last_good_step=5, detection_step=10, confidence=0.9, cause=Cause.RNG_MISMATCH,
+                       summary="seen at the step-10 fingerprint, agreed at step 5")
+    plan = plan_recovery([_inc(IncidentClass.FAIL_STOP), sampled], job=CANARY, catalog=CATALOG)
+    assert plan.checkpoint is not None and plan.checkpoint.id == "step-00000004" and replay_basis(plan) == 6
+    assert replay_basis(plan_recovery([_inc(IncidentClass.FAIL_STOP)], job=CANARY, catalog=CATALOG)) is None
+    unknown = plan_recovery([_inc(IncidentClass.CORRUPTION, onset=None)], job=CANARY, catalog=CATALOG)
+    assert replay_basis(unknown) == (unknown.checkpoint.step + 1 if unknown.checkpoint else 0)
+    with pytest.raises(ValueError, match="last good step 10 is not before the onset at step 10"):
+        Incident(klass=IncidentClass.DIVERGENCE, subject=Subject(kind=SubjectKind.RANK, id="1"), ranks=(1,),
+                 onset_step=10, last_good_step=10, detection_step=10, confidence=0.9, cause=Cause.RNG_MISMATCH,
+                 summary="x")
 
 
 def test_apply_from_step_zero_records_the_restart_itself(tmp_path: Path) -> None:

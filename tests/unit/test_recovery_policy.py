@@ -227,6 +227,10 @@ EXPECTED: dict[str, X] = {
         A.ROLLBACK_DOMAIN, "checkpoint:step-00000050@50",
         ("gate=disagree", "checkpoint=step-00000050", "recurrence=none", "-> roll back job to step-00000050"),
         "only checkpoints before the onset at step 80 are clean"),
+    "divergence-sampled-onset": _x(
+        A.ROLLBACK_DOMAIN, "checkpoint:step-00000050@50",
+        ("gate=disagree", "checkpoint=step-00000050", "recurrence=none", "-> roll back job to step-00000050"),
+        "seen at step 120, sound last at step 90: only checkpoints up to step 90 are clean"),
     "divergence-onset-before-all": _x(
         A.RESTART_JOB, None, ("gate=disagree", "checkpoint=none", "recurrence=none", "-> restart job from step 0"),
         "no committed checkpoint before step 20: restart from step 0"),

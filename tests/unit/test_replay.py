@@ -166,3 +166,21 @@ def test_last_completed_step_skips_damaged_steps_parts(tmp_path: Path, caplog: p
     assert last_completed_step(tmp_path, before_attempt=1) == 4
     assert "part-000000.parquet: unreadable steps part" in caplog.text
     assert "non-integer step/attempt" in caplog.text
+
+
+def test_a_replay_basis_ends_the_replaced_attempt_as_a_reference() -> None:
+    # attempt 0 took a corrupt gradient at step 7 that every replica all-reduced (they agree); attempt 1 undid it and
+    # recorded where the fault may have begun: its steps from there differ from attempt 0 by design
+    rows = [_fp(r, s, 0, param="bad" if s >= 7 else "p") for r in range(4) for s in (6, 9)]
+    rows += [_fp(r, s, 1) for r in range(4) for s in (6, 9)]
+    df = pl.DataFrame(rows)
+    events = pl.DataFrame({"rank": [0], "attempt": [1], "kind": ["replay_basis"], "step": [7]})
+    [check] = replay_checks(Frames.build(fingerprints=df, replays=df, events=events))
+    assert check.held and (check.first_step, check.last_step) == (6, 6)
+    assert detect_replay_divergence(Frames.build(fingerprints=df, replays=df, events=events)) == ()
+    assert detect_replay_divergence(_frames(rows))  # without the basis the difference is a broken promise
+    # a later attempt that did not undo anything is still checked against the one that did
+    later = rows + [_fp(r, 9, 2, param="q") for r in range(4)]
+    ldf = pl.DataFrame(later)
+    checks = replay_checks(Frames.build(fingerprints=ldf, replays=ldf, events=events))
+    assert [(c.attempt, c.earlier_attempt, c.held) for c in checks] == [(1, 0, True), (2, 1, False)]

@@ -281,15 +281,30 @@ def test_an_observe_decision_is_only_recorded(running: tuple[ManagerService, Fak
     assert not (run_dir / RECOVERY_DIR).exists() and not (run_dir / QUARANTINE_FILE).exists()
 
 
-def test_a_decision_about_a_replaced_attempt_never_stops_the_newer_one(run_dir: Path) -> None:
+def _relaunched(svc: ManagerService, fake: FakeLauncher, run_dir: Path) -> bytes:
+    """A fail-stop decision sent, its relaunch (attempt 1) running; the decision's body."""
+    assert fake.started.acquire(timeout=10)
+    body = contract_body(run_dir, incident())
+    assert post(svc, "/alerts", body, signed(body))[0] == 202
+    assert fake.started.acquire(timeout=10)  # the relaunch, attempt 1, runs: its recovery record is not written
+    wait_for(lambda: status(svc)["job"] == {**status(svc)["job"], "state": "running", "attempt": 1})
+    return body
+
+
+@pytest.mark.parametrize(("late_incident", "action", "outcome"), [
+    # the monitor's word on attempt 0 (another rank), arriving late
+    (incident(rank=0, attempt=0), "restart_job", "covered: incident of attempt 0"),
+    # the same incident decided again (the post-hoc reading's decision), its attempt unknown: the recovery running
+    # is the one from it, and its record is not written until the relaunch ends
+    (incident(attempt=None), "rollback_domain", "covered by recovery-0001: acted on already"),
+], ids=["replaced-attempt", "being-recovered"])
+def test_a_late_decision_never_stops_the_relaunch_that_replaced_or_recovers_it(
+        run_dir: Path, late_incident: Incident, action: str, outcome: str) -> None:
     fake = FakeLauncher(("run", "run"))
     with service(run_dir, fake) as svc:
-        assert fake.started.acquire(timeout=10)
-        body = contract_body(run_dir, incident())
-        assert post(svc, "/alerts", body, signed(body))[0] == 202
-        assert fake.started.acquire(timeout=10)  # the relaunch, attempt 1, runs
-        wait_for(lambda: status(svc)["job"] == {**status(svc)["job"], "state": "running", "attempt": 1})
-        late = contract_body(run_dir, incident(rank=0, attempt=0))  # the monitor's word on attempt 0, arriving late
+        body = _relaunched(svc, fake, run_dir)
+        late = contract_body(run_dir, late_incident, action=action)
+        assert msg_id(late) != msg_id(body)
         code, doc = post(svc, "/alerts", late, signed(late))
         assert code == 202 and not doc["stopping"]
         assert status(svc)["job"]["state"] == JobState.RUNNING
@@ -297,7 +312,7 @@ def test_a_decision_about_a_replaced_attempt_never_stops_the_newer_one(run_dir: 
         decided(svc, 2)
         by_id = {d["id"]: d for d in svc.manager.db.summary()["decisions"]}
         assert by_id[msg_id(body)]["outcome"] == "recovered"
-        assert by_id[msg_id(late)]["outcome"].startswith("covered: incident of attempt 0")
+        assert by_id[msg_id(late)]["outcome"].startswith(outcome)
         assert status(svc)["job"]["state"] == JobState.FINISHED
     assert len(fake.calls) == 2
 
