@@ -132,6 +132,11 @@ class DrillSpec:
     """The decisions that pass (empty: any relaunching one when `relaunch`, observe when not)."""
     device: bool = False
     """The subject is the rank's device (`device:<uuid>`, a device fault), not the rank."""
+    slots_per_host: int = 0
+    """Device slots per virtual host (CanaryConfig.slots_per_host; 0: one per rank): spares to place a relaunch on."""
+    then_kill: int | None = None
+    """Once the decision about the fault is done (a quarantine), SIGKILL this rank from outside: the relaunch that
+    follows must be placed off what was quarantined."""
 
 
 _LATE = 32
@@ -191,6 +196,12 @@ DRILLS: dict[str, DrillSpec] = {
                                       tamper=Tamper.MANIFEST),
     "corrupt_shard": _killed_after("corrupt_shard", f"one byte of rank {VICTIM}'s step-29 shard flipped on disk",
                                    tamper=Tamper.SHARD),
+    "bad_device": DrillSpec(name="bad_device", what=f"the GPU in slot 1 of host 0 (rank {VICTIM}'s) throttles, +80 ms "
+                                                    f"a step, from step {FAULT_AFTER}; once it is quarantined, SIGKILL "
+                                                    f"of rank 0",
+                            classes=(IncidentClass.STRAGGLER,), rank=VICTIM, relaunch=True, device=True,
+                            faults=Faults().bad_device(host=0, index=1, from_step=FAULT_AFTER, delay_s=0.08),
+                            actions=(Action.QUARANTINE,), slots_per_host=3, then_kill=0),
     "full_storage": _killed_after("full_storage", f"ENOSPC in rank {VICTIM}'s step-29 save (every attempt)",
                                   env=((CHECKPOINT_FAULT_ENV, _SAVE_FAULT),)),
 }
@@ -287,14 +298,14 @@ def read_report(path: Path) -> tuple[DrillReport, ...]:
 # ------------------------------------------------------------------------------------------------- the canary
 
 
-def drill_config(run_dir: Path, faults: Faults | None = None) -> CanaryConfig:
+def drill_config(run_dir: Path, faults: Faults | None = None, *, slots_per_host: int = 0) -> CanaryConfig:
     """The drills' canary: 4 gloo ranks (dp=4 over 2 virtual hosts), small model paced to ~0.2 s a step, liveness
     every 0.25 s, part files every 0.5 s, a checkpoint every 10 steps, fingerprints every 10, a 30 s collective
     timeout."""
     return CanaryConfig(run_dir=run_dir, steps=STEPS, layout=Layout.parse("dp=4", nproc=4), hosts=2,
                         faults=faults or Faults(), gpu="replay", pg_timeout_s=30.0, flush_interval_s=0.5,
                         heartbeat_interval_s=0.25, gpu_interval_s=0.1, model=_SMALL, checkpoint_every=10,
-                        fingerprint_every=10, pace_s=PACE_S)
+                        fingerprint_every=10, pace_s=PACE_S, slots_per_host=slots_per_host)
 
 
 def _final_fingerprints(run_dir: Path) -> dict[str, Any]:
@@ -378,6 +389,36 @@ def _steps(run_dir: Path) -> list[tuple[int, int, int, int]]:
     ).fetchall()]
 
 
+def _kill_once_quarantined(rank: int, manager: Any, monitor: Monitor, clock: _Clock, run_dir: Path,
+                           failed: Sequence[BaseException], *, say: Callable[[str], None], name: str) -> None:
+    """Wait until the quarantine decision is done and the list names something, SIGKILL `rank`, and wait for the
+    monitor to see it; the clock restarts at the kill (stopped and training-again times count from it)."""
+    from rankwatch.trainer.manager import quarantined
+
+    _wait(lambda: bool(quarantined(run_dir)) and (manager.status()["last_decision"] or {}).get("state") == "done",
+          60, "the quarantine applied", failed)
+    listed = ", ".join(f"{e['kind']}:{e['id']}" for e in quarantined(run_dir))
+    pid = int(manager.status()["job"]["pids"][rank])
+    os.kill(pid, signal.SIGKILL)
+    clock.mark()
+    say(f"drill {name}: quarantined {listed}; sent SIGKILL to rank {rank} (pid {pid})")
+    _wait(lambda: any(s.incident.klass is IncidentClass.FAIL_STOP and str(s.incident.subject) == f"rank:{rank}"
+                      and s.at >= clock.mono - 0.5 for s in list(monitor.seen)),  # type: ignore[operator]
+          60, f"fail_stop rank:{rank} detected", failed)
+
+
+def _off_quarantine(run_dir: Path, attempt: int) -> str | None:
+    """None when no rank of `attempt` sat on a quarantined device, else which did."""
+    from rankwatch.analytics.store import connect
+    from rankwatch.trainer.manager import quarantined
+
+    bad = {str(e["id"]) for e in quarantined(run_dir) if e.get("kind") == "device"}
+    rows = connect(run_dir).execute(
+        f"SELECT rank, device_uuid FROM topology WHERE attempt = {int(attempt)} ORDER BY rank").fetchall()
+    on = [f"rank {r} on {u}" for r, u in rows if u in bad]
+    return "; ".join(on) if on else None
+
+
 def _save_failed(run_dir: Path) -> bool:
     """A save of attempt 0 committed nothing (its `checkpoint_failed` events)."""
     from rankwatch.analytics.store import connect
@@ -427,7 +468,7 @@ def run_drill(name: str, workdir: Path, *, say: Callable[[str], None] = print,
     run_dir = base / "run"
     secret_file = base / "webhook.secret"
     secret = write_secret(secret_file)
-    cfg = drill_config(run_dir, spec.faults)
+    cfg = drill_config(run_dir, spec.faults, slots_per_host=spec.slots_per_host)
     clock = _Clock()
     stop = threading.Event()
     lines: list[str] = []
@@ -591,6 +632,8 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
                  None)
     partial.update(decision=f"{dec['action']} ({scope or '-'})", decision_s=clock.since_wall(dec["received_ns"]))
     say(f"drill {spec.name}: decision {partial['decision']} accepted after {_num(partial['decision_s'])}s")
+    if spec.then_kill is not None:
+        _kill_once_quarantined(spec.then_kill, manager, monitor, clock, run_dir, failed, say=say, name=spec.name)
 
     ended: list[int] = []
 
@@ -611,6 +654,7 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
     steps = _steps(run_dir)
     recs = sorted((run_dir / "recovery").glob("recovery-*.json"))
     rec: dict[str, Any] | None = json.loads(recs[0].read_text()) if recs else None
+    ours: list[dict[str, Any]] = []
     if spec.relaunch:
         if rec is not None:
             partial["recovery"] = f"{rec['id']}: {rec['outcome']}"
@@ -636,11 +680,18 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
     if spec.relaunch:
         if not dec["action"] or dec["action"] == "observe":
             return fail(f"the decision was {dec['action']}, not a relaunch")
-        if len(recs) > 1:
-            extra = [json.loads(p.read_text()) for p in recs[1:]]
-            return fail(f"{len(recs)} recoveries for one fault: " + "; ".join(
+        expected = 1 if spec.then_kill is None else 2  # the quarantine's record, then the relaunch's
+        if len(recs) > expected:
+            return fail(f"{len(recs)} recoveries for {expected} fault(s): " + "; ".join(
                 f"{r['id']} ({', '.join(d['class'] + ' ' + d['subject'] for d in r['decisions'])}: {r['outcome']})"
-                for r in [json.loads(recs[0].read_text()), *extra]))
+                for r in (json.loads(p.read_text()) for p in recs)))
+        if spec.then_kill is not None:
+            if rec is None or rec["outcome"] != "quarantined" or not rec["quarantined"]:
+                return fail("the device fault's recovery record did not quarantine it")
+            rec = json.loads(recs[-1].read_text()) if len(recs) == 2 else None
+            if rec is not None:
+                partial["recovery"] = f"{rec['id']}: {rec['outcome']}"
+            ours = [d for d in (rec or {}).get("decisions", []) if d["class"] == IncidentClass.FAIL_STOP]
         if rec is None or rec["outcome"] != "recovered":
             return fail("no recovery record" if rec is None else f"{rec['id']}: outcome {rec['outcome']}")
         if not ours:
@@ -649,6 +700,8 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
             return fail(f"the decision was {dec['action']}, not {' or '.join(spec.actions)}")
         if len(attempts) < 2 or attempts[-1]["resume_from"] is None:
             return fail("the new attempt did not resume from a checkpoint")
+        if spec.then_kill is not None and (on := _off_quarantine(run_dir, len(attempts) - 1)) is not None:
+            return fail(f"the relaunch was placed on the quarantine list: {on}")
         if spec.resume_from is not None and attempts[-1]["resume_from"] != spec.resume_from:
             return fail(f"the new attempt resumed from {attempts[-1]['resume_from']}, not {spec.resume_from} (the "
                         f"newest checkpoint a sound recovery may use)")

@@ -76,11 +76,18 @@ def fingerprint_departures(frames: Frames, *, min_majority_members: int = 3) -> 
     (this rank departs from it); `majority` is true when the domain has such a majority at that step (rows of the
     majority itself are not listed). Without a majority every member present is listed with `minority` false.
     The `step` field flags fingerprints a rank wrote at a step most members never fingerprinted, before the
-    domain's last common step (a shifted step counter); its `minority` follows the same rule.
+    domain's last common step (a shifted step counter); its `minority` follows the same rule. A step fingerprinted
+    by several attempts (a replay) is read from its newest attempt's rows only.
     """
     fp = frames.fingerprints
     if fp.height == 0:
         return pl.DataFrame(schema=DEPARTURE_SCHEMA)
+    if Fingerprints.ATTEMPT in fp.columns:
+        # a step trained again is compared within its newest attempt only: while a replay is being written, some
+        # ranks' rows of it are in and others' are still the replaced attempt's (which may hold the very fault the
+        # replay undoes)
+        fp = fp.filter(pl.col(Fingerprints.ATTEMPT).fill_null(0)
+                       == pl.col(Fingerprints.ATTEMPT).fill_null(0).max().over(Fingerprints.DOMAIN, Fingerprints.STEP))
     fp = (
         fp.sort(Fingerprints.WALL_NS, nulls_last=False)
         .unique([Fingerprints.RANK, Fingerprints.DOMAIN, Fingerprints.STEP], keep="last", maintain_order=True)

@@ -493,5 +493,10 @@ class Faults:
                     total += f.delay_s
         return total
 
+    def hardware(self) -> Faults:
+        """The faults of the machine, not of an attempt (a bad device slot, a slow link): a relaunch on the same
+        machine meets them again, wherever its ranks are placed."""
+        return replace(self, faults=tuple(f for f in self.faults if isinstance(f, BadDevice | SlowLink)))
+
     def __bool__(self) -> bool:
         return bool(self.faults)

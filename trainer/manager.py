@@ -52,7 +52,6 @@ from rankwatch.collector.sink import partition_dir
 from rankwatch.trainer.canary import CanaryConfig, place_off, placement
 from rankwatch.trainer.catalog import CHECKPOINT_DIR, Verdict, checkpoint_id, list_checkpoints
 from rankwatch.trainer.evidence import preserve_evidence
-from rankwatch.trainer.faults import Faults
 from rankwatch.trainer.launch import LaunchResult, launch
 from rankwatch.trainer.runfile import RUN_FILE, read_launches
 from rankwatch.trainer.lineage import Details, Lineage, NewEntry, lineage_path
@@ -406,7 +405,9 @@ def apply(
     """Carry out `plan` on the run of `cfg`: evidence for every incident acted on, quarantines (list + lineage),
     then for a restart: retire what the rollback passes over, record a restart from step 0 in lineage when there is
     no checkpoint (a resume records its own), and relaunch — behind the consistency gate when resuming. The
-    injected faults are not re-injected unless `keep_faults` (they stood for a transient fault)."""
+    injected faults are not re-injected unless `keep_faults` (they stood for a transient fault), except the
+    machine's own (`Faults.hardware`: a bad device slot, a slow link), which a relaunch meets again wherever it is
+    placed."""
     run_dir = Path(cfg.run_dir)
     rid = _next_id(run_dir)
     acted = [d for d in plan.decided if plan.relaunch or d.decision.action is not Action.OBSERVE
@@ -429,7 +430,7 @@ def apply(
         retired = _retire(run_dir, plan.checkpoint, rid)
         for r in retired:
             say(f"{rid}: retired checkpoint {r}")
-        faults = cfg.faults if keep_faults else Faults()
+        faults = cfg.faults if keep_faults else cfg.faults.hardware()
         cfg = replace(cfg, replay_basis=replay_basis(plan))
         if plan.checkpoint is None:
             last = last_completed_step(run_dir, before_attempt=len(_launches(run_dir)))

@@ -33,3 +33,14 @@ def test_the_kill_drill_detects_decides_recovers_and_matches_the_reference_bitwi
     assert read_report(tmp_path / REPORT_FILE) == (report,)
     assert json.loads((tmp_path / "reference.json").read_text())["step"] == 49
     assert any("detected fail_stop rank:1" in s for s in said)
+
+
+@pytest.mark.timeout(420)
+def test_a_state_drill_and_a_checkpoint_drill_roll_back_past_what_holds_the_fault(tmp_path: Path) -> None:
+    # bitflip: corruption all-reduced into every replica (they agree), rolled back to the checkpoint before it, the
+    # replay not read as nondeterministic; corrupt_shard: the recovery passes over the damaged newest checkpoint
+    flip, shard = run_drills(["bitflip", "corrupt_shard"], tmp_path, say=lambda _: None)
+    assert flip.detected == f"corruption rank:{VICTIM}" and flip.decision is not None, flip
+    assert flip.resume_from == "step-00000019" and flip.bitwise is True and flip.passed, flip
+    assert shard.detected == f"fail_stop rank:{VICTIM}" and shard.resume_from == "step-00000019", shard
+    assert "corrupt" in shard.reason and shard.bitwise is True and shard.passed, shard

@@ -171,3 +171,14 @@ def test_a_sampled_departure_says_the_last_fingerprint_that_agreed() -> None:
     (first,) = detect_divergence(Frames.build(topology=topo, fingerprints=_fingerprints(domains, {(1, "rng_torch"): 0})))
     assert (first.onset_step, first.last_good_step) == (0, None)  # nothing earlier was seen
     assert first.to_dict()["last_good_step"] is None and inc.to_dict()["last_good_step"] == 20
+
+
+def test_a_replay_half_written_is_not_compared_with_the_attempt_it_replaces() -> None:
+    # attempt 0 took a bad update every replica agreed on (params "bad" from step 30); attempt 1 replays from 20:
+    # ranks 0 and 1 have written their good step-30 rows, ranks 2 and 3 not yet
+    topo, domains = _layout(dp=4, pp=1)
+    fp = _fingerprints(domains, {(r, "param"): 30 for r in range(4)}).with_columns(pl.lit(0).alias("attempt"))
+    replay = (_fingerprints(domains).filter((pl.col("step") == 30) & (pl.col("rank") < 2))
+              .with_columns(pl.lit(1).alias("attempt"), (pl.col("wall_ns") + 100 * S).alias("wall_ns")))
+    assert detect_divergence(Frames.build(topology=topo, fingerprints=pl.concat([fp, replay]))) == ()
+    assert detect_corruption(Frames.build(topology=topo, fingerprints=pl.concat([fp, replay]))) == ()

@@ -478,3 +478,10 @@ def test_freeze_parses_round_trips_and_is_validated() -> None:
         parse_fault("freeze:rank=1,step=3,seconds=0")
     with pytest.raises(ValueError, match="missing seconds="):
         parse_fault("freeze:rank=1,step=3")
+
+
+def test_hardware_keeps_the_machines_faults_only() -> None:
+    faults = (Faults().slow(rank=1, from_step=3, delay_s=0.1).bad_device(host=0, index=1)
+              .slow_link(hosts=(0, 1), delay_s=0.01).exit(rank=2, step=5))
+    assert [type(f).__name__ for f in faults.hardware().faults] == ["BadDevice", "SlowLink"]
+    assert not Faults().exit(rank=0, step=1).hardware()
