@@ -9,7 +9,10 @@ What the telemetry shows when a rank goes (see trainer/canary.py and collector/c
 - hang: the training thread blocks, outside any collective or inside one the other members of its group got past;
   heartbeats go on; peers block in their next collective with it.
 - the launcher (or the operator, or the scheduler) may kill every rank at once: a SIGTERM event on every rank, or,
-  for SIGKILL, nothing at all: every rank's telemetry just ends, mid-step.
+  for SIGKILL, nothing at all: every rank's telemetry just ends, mid-step, each rank's up to a flush interval
+  before the kill, so many ranks' rows stop steps behind the others' or inside an operation (a checkpoint's long
+  barrier) the others completed: an open operation is no wait in a step one of the rank's data- or tensor-parallel
+  groups got past (`_reached`).
 
 A clean end is an exit event with code 0 from every rank. Survivors' exception, error and signal rows are
 consequences, never evidence against them, but they say what they react to. The culprit is, in order of the
@@ -108,7 +111,8 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
     if exits.filter(pl.col("exit_code") == 0)["rank"].n_unique() >= live["rank"].n_unique() and abnormal.height == 0:
         return ()  # every rank exited cleanly
     world = max(frames.world_size, live.height)
-    blocked = _blocked(frames, start, now, block)
+    reached = _reached(frames, live)
+    blocked = _blocked(frames, start, now, block, reached)
     errors = _since_attempt(frames.collective_errors, start, "exit_wall_ns")
     named = _named_peers(events, errors, world)
     silent = _silent(live, stall)
@@ -120,7 +124,7 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
         rules = (
             ("named by peers", lambda: _by_named(named)),
             ("events", lambda: _by_events(frames, abnormal, errors, named, blocked, silent, world, config)),
-            ("wait graph", lambda: _by_wait_graph(blocked, live, silent, frames.clock is Clock.DEVICE)),
+            ("wait graph", lambda: _by_wait_graph(blocked, reached, silent, frames.clock is Clock.DEVICE)),
             ("silence", lambda: silent),
             ("position", lambda: _by_position(frames, events, stall) if stalled else set()),
         )
@@ -195,11 +199,33 @@ def _latest_attempt_events(frames: Frames) -> pl.DataFrame:
     )
 
 
-def _blocked(frames: Frames, start: pl.DataFrame, now: int, block: int) -> pl.DataFrame:
-    """Collectives a rank entered and did not complete normally in its latest attempt: open for longer than
-    `block`, or ended in an error. One row per (rank, group, group_seq)."""
+def _reached(frames: Frames, live: pl.DataFrame) -> pl.DataFrame:
+    """`live` with each rank's last_step raised to the step before the newest one in which an operation of one of its
+    data- or tensor-parallel groups completed on any member: every member takes part in each of those (one or more
+    every step), so the rank got that far, whatever its own rows say (a rank killed loses its last flush interval of
+    rows; in a job killed at once, those of many ranks end steps before the others'). Left as is in a relaunched job
+    (`group_transfer` does not tell the attempts apart)."""
+    done, groups = frames.group_transfer, frames.groups
+    if not done.height or not groups.height or live["attempt"].fill_null(0).max() != 0:
+        return live
+    newest = (
+        done.filter(pl.col("kind").is_in(("dp", "tp"))).group_by("group").agg(pl.col("step").max().alias("_t"))
+        .join(groups.select("group", pl.col("ranks").alias("rank")), on="group").explode("rank")
+        .group_by("rank").agg(pl.col("_t").max()).with_columns(pl.col("rank").cast(pl.Int32))
+    )
+    return live.join(newest, on="rank", how="left").with_columns(
+        pl.max_horizontal("last_step", pl.col("_t") - 1).alias("last_step")).drop("_t")
+
+
+def _blocked(frames: Frames, start: pl.DataFrame, now: int, block: int, reached: pl.DataFrame) -> pl.DataFrame:
+    """Collectives a rank entered and did not complete normally in its latest attempt: open for longer than `block`
+    in a step it is not known to have got past (`_reached`: its rows that said it left were lost), or ended in an
+    error. One row per (rank, group, group_seq)."""
     cols = ["rank", "step", "op", "group", "group_ranks", "group_seq", "peer", "wall_ns", "state"]
-    opened = frames.open_collectives.filter(pl.col("enter_wall_ns") < now - block).select(
+    done = reached.select("rank", pl.col("last_step").alias("_done"))
+    opened = frames.open_collectives.join(done, on="rank", how="left").filter(
+        (pl.col("enter_wall_ns") < now - block) & (pl.col("step") > pl.col("_done").fill_null(-1))
+    ).select(
         "rank", "step", "op", "group", "group_ranks", "group_seq", "peer", pl.col("enter_wall_ns").alias("wall_ns"),
         pl.lit("open").alias("state"),
     )

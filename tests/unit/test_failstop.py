@@ -269,3 +269,26 @@ def test_a_relaunched_job_still_starting_up_is_no_hang() -> None:
     frames = Frames.build(steps=_steps(LAST), liveness=_liveness(LAST, {r: 54.0 for r in range(4)}), topology=topo,
                           events=pl.DataFrame(events), end_wall_ns=54 * S)
     assert detect_failstops(frames) == ()
+
+
+def test_a_group_that_completed_later_steps_proves_its_members_got_past_a_wait_seen_before() -> None:
+    """The checkpoint of step 10 is slow: rank 0 was seen 6 s in its world barrier (more than a stall), rank 1 still
+    writing it; then every rank got on (the data-parallel groups, holding all four ranks, completed operations up to
+    step 12) until the job was SIGKILLed at 20 s, and ranks 0 and 1 lost their rows since 16 s and 15.5 s. Once,
+    rank 0's barrier row made rank 1 its missing member, as in a run of 128 ranks where it made 39 hangs."""
+    last = {0: 9, 1: 9, 2: 18, 3: 18}
+    opened = pl.DataFrame([{"rank": 0, "step": 10, "op": "barrier", "group": "world", "group_ranks": [0, 1, 2, 3],
+                            "group_seq": 1, "enter_wall_ns": 10 * S}])
+    groups = pl.DataFrame([{"group": g, "kind": g[:2], "ranks": r} for g, r in GROUPS.items()]
+                          + [{"group": "world", "kind": "world", "ranks": [0, 1, 2, 3]}])
+    done = pl.DataFrame([{"group": g, "kind": g[:2], "step": s, "ops": 1} for g in ("dp0", "dp1") for s in range(13)])
+    seen = {0: 16.0, 1: 15.5, 2: 20.0, 3: 19.9}
+    frames = Frames.build(steps=_steps(last), liveness=_liveness(last, seen), open_collectives=opened, groups=groups,
+                          group_transfer=done, end_wall_ns=20 * S)
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.kind, inc.cause, inc.onset_step) == (
+        IncidentClass.FAIL_STOP, SubjectKind.JOB, Cause.VANISHED, 19)
+    # without the groups' later operations nothing says rank 0 got past the barrier: rank 1 is who it waited for
+    frames = Frames.build(steps=_steps(last), liveness=_liveness(last, seen), open_collectives=opened, groups=groups,
+                          group_transfer=done.filter(pl.col("step") <= 10), end_wall_ns=20 * S)
+    assert [(i.subject.kind, i.subject.id) for i in detect_failstops(frames)] == [(SubjectKind.RANK, "1")]
