@@ -12,6 +12,14 @@ spent once its misses were printed: a detector change after that is found and ch
 measured on the next fresh split, never on a spent one again: `heldout` was spent on 2026-12-01, then `heldout2`
 (seeds 800,000..899,999); the next fresh split is `heldout3` (seeds 700,000..799,999).
 
+`--extra KIND:LAYOUTS[:COUNT]` (repeatable; with `--split tune` only) scores ad-hoc tune-range scenarios in place of
+the split's: COUNT (default: one per layout) scenarios of KIND, over the layouts in turn (DPxTPxPP, comma-separated),
+100..300 steps, each in every timing asked for. Their seeds are 160,000 + 1,000 x (KIND's place among the source's
+kinds, sorted) + the scenario's index: in the tune range, apart from the tune split's own (100,000..100,137). E.g.
+
+    .venv/bin/python benchmarks/detection.py --source independent --split tune \
+        --extra failstop_launcher_kill:32x4x1,16x4x2,64x2x1,8x4x4:8 --keep /tmp/extra --jobs 1
+
 `--clock cpu` is the control: analysis reads the CPU-side figures only, as a detector that ignores the device
 columns would; on gpu timing it must FAIL (the CUDA job's straggler is invisible there).
 
@@ -56,6 +64,7 @@ from rankwatch.analytics.incidents import Incident
 from rankwatch.analytics.recovery import TargetKind, single_run_quarantines
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from independent import Scenario as IndependentScenario  # noqa: E402
 from independent import generate as generate_independent, scenarios as independent_scenarios  # noqa: E402
 from rankwatch.simulator import Scenario, simulate, standard_suite
 from rankwatch.simulator.config import Timing
@@ -338,6 +347,9 @@ def main() -> int:
     ap.add_argument("--split", choices=("tune", "heldout", "heldout2", "heldout3"), default="tune",
                     help="independent source only: tune seeds (may be looked at while tuning) or held-out seeds "
                          "(run only for the reported figure, never while tuning)")
+    ap.add_argument("--extra", action="append", default=[], metavar="KIND:LAYOUTS[:COUNT]",
+                    help="independent source, tune split only: score COUNT fresh tune-range scenarios of KIND over "
+                         "the layouts DPxTPxPP[,...] instead of the split's (repeatable; see the docstring)")
     args = ap.parse_args()
     modes = [Timing.CPU, Timing.GPU] if args.timing == "both" else [Timing(args.timing)]
     if args.source == "independent":
@@ -373,14 +385,50 @@ def _run_suite(args: argparse.Namespace, modes: list[str], root: Path, width: in
     return report({m: score(by_mode[m]) for m in modes})
 
 
+_EXTRA_SEED = 160_000
+_EXTRA_STEPS = (100, 160, 220, 300, 140, 250)
+
+
+def extra_scenarios(spec: str, timing: str) -> list[Any]:
+    """The tune-range scenarios of one `--extra KIND:LAYOUTS[:COUNT]` in `timing` (see the module docstring)."""
+    kinds = sorted({sc.kind for sc in independent_scenarios("tune", timing)})
+    kind, _, rest = spec.partition(":")
+    layouts_text, _, count_text = rest.partition(":")
+    if kind not in kinds:
+        raise ValueError(f"--extra {spec!r}: unknown kind {kind!r}; kinds: {', '.join(kinds)}")
+    try:
+        layouts = [tuple(int(x) for x in lay.split("x")) for lay in layouts_text.split(",")]
+        count = int(count_text) if count_text else len(layouts)
+    except ValueError:
+        raise ValueError(f"--extra {spec!r}: layouts are DPxTPxPP[,...] and COUNT an integer") from None
+    if any(len(lay) != 3 or min(lay) < 1 for lay in layouts) or not 1 <= count <= 1_000:
+        raise ValueError(f"--extra {spec!r}: each layout is DPxTPxPP of positive sizes, COUNT in 1..1000")
+    base = _EXTRA_SEED + 1_000 * kinds.index(kind)
+    return [
+        IndependentScenario(name=f"extra-{i:03d}-{kind}-n{dp * tp * pp}", seed=base + i, kind=kind, dp=dp, tp=tp, pp=pp,
+                            steps=_EXTRA_STEPS[i % len(_EXTRA_STEPS)], timing=timing)
+        for i in range(count) for dp, tp, pp in [layouts[i % len(layouts)]]
+    ]
+
+
 def _independent_main(args: argparse.Namespace, modes: list[str]) -> int:
-    chosen = {m: [sc for sc in independent_scenarios(args.split, m) if args.only in sc.name] for m in modes}
+    if args.extra and args.split != "tune":
+        print("--extra draws tune-range seeds: it goes with --split tune only")
+        return 2
+    try:
+        pool = {m: ([sc for spec in args.extra for sc in extra_scenarios(spec, m)] if args.extra
+                    else independent_scenarios(args.split, m)) for m in modes}
+    except ValueError as exc:
+        print(exc)
+        return 2
+    chosen = {m: [sc for sc in pool[m] if args.only in sc.name] for m in modes}
     if not any(chosen.values()):
         print(f"no scenario name contains {args.only!r}")
         return 2
     root = args.keep or Path(tempfile.mkdtemp(prefix="rankwatch-detection-independent-"))
     n = sum(len(v) for v in chosen.values())
-    print(f"independent source, {args.split} split: {n} runs over {len(modes)} timing(s); generating into {root}")
+    what = f"{len(args.extra)} --extra set(s)" if args.extra else f"{args.split} split"
+    print(f"independent source, {what}: {n} runs over {len(modes)} timing(s); generating into {root}")
     jobs = [(sc, m) for m in modes for sc in chosen[m]]
     return _run_suite(args, modes, root, 48, _run_independent, [sc for sc, _ in jobs], [root] * len(jobs),
                       [m for _, m in jobs], [Clock(args.clock)] * len(jobs), [args.keep is not None] * len(jobs))
