@@ -35,7 +35,7 @@ at a step) gives nothing; a live window cut mid-step looks like a SIGKILLed job 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import polars as pl
 
@@ -59,6 +59,11 @@ class FailStopConfig:
     (more than the collector's flush interval, whose rows a killed rank may lose)."""
     stall_step_factor: float = 5.0
     """... and at least this many median step durations (long steps are not stalls)."""
+    startup_grace_s: float = 120.0
+    """A job none of whose ranks completed a step of its latest attempt yet is starting (spawn, imports, rendezvous,
+    checkpoint load and the consistency gate: minutes on a large or loaded machine): its open collectives, silences
+    and stalls are read as a hang or a fail-stop only this long after the attempt began. Exits, signals, exceptions
+    and collective errors count at once."""
     simultaneous_fraction: float = 0.1
     """Terminal events of several ranks within this fraction of a heartbeat interval of the first are one cause
     (a host going down)."""
@@ -113,10 +118,13 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
     world = max(frames.world_size, live.height)
     reached = _reached(frames, live)
     blocked = _blocked(frames, start, now, block, reached)
+    starting = _starting(frames, start, now, config)
+    if starting:  # waits on a rank still starting are start-up, not a hang
+        blocked = blocked.filter(pl.col("state") == "error")
     errors = _since_attempt(frames.collective_errors, start, "exit_wall_ns")
     named = _named_peers(events, errors, world)
-    silent = _silent(live, stall)
-    stalled = _stalled(live, now, stall)
+    silent = set() if starting else _silent(live, stall)
+    stalled = not starting and _stalled(live, now, stall)
 
     culprits: set[int] = set()
     method = ""
@@ -133,7 +141,8 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
             if culprits:
                 break
     if not culprits:
-        job = _job_stop(frames, start, terminal, abnormal, world, config)
+        # a job still starting that ends mid-operation is starting, not killed (its exits and signals still count)
+        job = _job_stop(frames, start, terminal, abnormal, world, replace(config, run_over=False) if starting else config)
         return (_job_incident(frames, job, events, config),) if job is not None else ()
     confidence = {"events": config.event_confidence, "named by peers": config.event_confidence,
                   "wait graph": config.graph_confidence}.get(method, config.fallback_confidence)
@@ -286,6 +295,18 @@ def _named_peers(events: pl.DataFrame, errors: pl.DataFrame, world: int) -> pl.D
         .filter(pl.col("named").is_not_null() & (pl.col("named") != pl.col("reporter")) & (pl.col("named") < world))
     )
     return out.select("reporter", pl.col("named").cast(pl.Int32), "wall_ns")
+
+
+def _starting(frames: Frames, start: pl.DataFrame, now: int, config: FailStopConfig) -> bool:
+    """No rank completed a step since its latest attempt began, and that began less than `startup_grace_s` ago."""
+    live = frames.liveness
+    if live.height == 0 or start.height == 0:
+        return False
+    rows = live.join(start, on="rank", how="inner")
+    began = rows["attempt_start"].max()
+    if began is None or now - int(began) >= config.startup_grace_s * 1e9:  # type: ignore[arg-type]
+        return False
+    return rows.filter(pl.col("last_step_end_wall_ns").fill_null(-1) >= pl.col("attempt_start")).height == 0
 
 
 def _stalled(live: pl.DataFrame, now: int, stall: int) -> bool:
@@ -462,7 +483,7 @@ def _by_position(frames: Frames, events: pl.DataFrame, stall: int) -> set[int]:
 
 
 def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnormal: pl.DataFrame, world: int,
-              config: FailStopConfig) -> tuple[Cause, str] | None:
+              config: FailStopConfig) -> tuple[Cause, str, int | None] | None:
     """How the job itself stopped, when it stopped abnormally at once: a signal or abnormal exit on more than half
     the ranks within `job_window_heartbeats`; or (`run_over`) no terminal event anywhere and telemetry that ends
     mid-step (an operation open, a heartbeat in a step never completed, or ranks at different last steps)."""
@@ -474,14 +495,16 @@ def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnor
         together = abnormal.filter(pl.col("wall_ns") <= t0 + window)
         if 2 * together["rank"].n_unique() <= world:
             return None
+        attempt = together["attempt"].max()
+        att = None if attempt is None else int(attempt)  # type: ignore[arg-type]
         if together.filter(pl.col("kind") == str(EventKind.SIGNAL)).height:
             sig = together.filter(pl.col("kind") == str(EventKind.SIGNAL))["signal"].drop_nulls()
             what = f"signal {int(sig.mode()[0])}" if sig.len() else "a signal"
             return Cause.SIGNAL, (f"{what} on {together['rank'].n_unique()} of {world} ranks within "
                                   f"{(int(together['wall_ns'].max()) - t0) / 1e6:.0f} ms, nobody failing first: "  # type: ignore[arg-type]
-                                  f"the job was stopped from outside")
+                                  f"the job was stopped from outside"), att
         cause = Cause.EXCEPTION if together.filter(pl.col("kind") == str(EventKind.EXCEPTION)).height else Cause.EXIT
-        return cause, (f"{cause} on {together['rank'].n_unique()} of {world} ranks at once, nobody failing first")
+        return cause, f"{cause} on {together['rank'].n_unique()} of {world} ranks at once, nobody failing first", att
     if terminal.height or not config.run_over:
         return None
     open_now = _since_attempt(frames.open_collectives, start, "enter_wall_ns")
@@ -492,13 +515,14 @@ def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnor
     return Cause.VANISHED, (f"no rank wrote an exit, signal or exception event, and every rank's telemetry ends "
                             f"mid-step ({open_now['rank'].n_unique()} inside a collective, {in_step.height} beating "
                             f"in a step they never completed, last steps {lo}..{hi}): the job was killed from outside "
-                            f"(SIGKILL, a lost node or power)")
+                            f"(SIGKILL, a lost node or power)"), None
 
 
 # -- incidents ---------------------------------------------------------------------------------------------------------
 
-def _job_incident(frames: Frames, job: tuple[Cause, str], events: pl.DataFrame, config: FailStopConfig) -> Incident:
-    cause, how = job
+def _job_incident(frames: Frames, job: tuple[Cause, str, int | None], events: pl.DataFrame,
+                  config: FailStopConfig) -> Incident:
+    cause, how, attempt = job
     live = _liveness(frames)
     ranks = tuple(sorted(int(r) for r in live["rank"]))
     onset = int(live["last_step"].max()) + 1  # type: ignore[arg-type]
@@ -530,7 +554,8 @@ def _job_incident(frames: Frames, job: tuple[Cause, str], events: pl.DataFrame, 
         klass=IncidentClass.FAIL_STOP, subject=Subject(kind=SubjectKind.JOB, id="job"), ranks=ranks, onset_step=onset,
         detection_step=onset, confidence=config.job_confidence, cause=cause, summary=summary,
         detection_wall_ns=int(live["last_seen_wall_ns"].max()) if live["last_seen_wall_ns"].max() is not None else None,  # type: ignore[arg-type]
-        fields=(str(cause),), evidence=tuple(evidence), attempt=int(live["attempt"].max()) if live["attempt"].max() is not None else None,  # type: ignore[arg-type]
+        fields=(str(cause),), evidence=tuple(evidence), attempt=attempt if attempt is not None else (
+            int(live["attempt"].max()) if live["attempt"].max() is not None else None),  # type: ignore[arg-type]
     )
 
 

@@ -1,0 +1,62 @@
+"""Fail-stop and hang around a relaunch: a job still starting its new attempt is not hung, and a job stop names the
+attempt its terminal events belong to. Layout dp=4 (one group), heartbeat 1 s, steps 1 s long."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+
+from rankwatch.analytics.failstop import FailStopConfig, detect_failstops
+from rankwatch.analytics.frames import Frames
+from rankwatch.analytics.incidents import IncidentClass, SubjectKind
+
+S = 1_000_000_000
+WORLD = [0, 1, 2, 3]
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _relaunch(*, started: float, now: float, rank1_in: bool) -> Frames:
+    """Attempt 0 trained steps 0..24 and was stopped at 25.5 s; attempt 1 began at `started` (resuming from step 19)
+    and completed no step by `now`: ranks 0, 2, 3 wait in the resume's broadcast for rank 1, which is still loading
+    (its heartbeats on; with `rank1_in` it also waits in the broadcast)."""
+    steps = pl.DataFrame([{"rank": r, "attempt": 0, "step": s, "start_wall_ns": s * S, "end_wall_ns": (s + 1) * S,
+                           "duration_ns": S} for r in WORLD for s in range(25)])
+    topo = pl.DataFrame([{"rank": r, "attempt": a, "world_size": 4, "host": f"host{r // 2}",
+                          "start_wall_ns": int(t * S)} for r in WORLD for a, t in ((0, 0.0), (1, started))])
+    live = pl.DataFrame([{"rank": r, "attempt": 1, "last_step": 24, "last_step_end_wall_ns": 25 * S,
+                          "last_heartbeat_wall_ns": int(now * S), "last_seen_wall_ns": int(now * S)} for r in WORLD])
+    waiting = [r for r in WORLD if r != 1 or rank1_in]
+    opened = pl.DataFrame([{"rank": r, "step": 19, "op": "broadcast", "group": "world", "group_ranks": WORLD,
+                            "group_seq": 0, "peer": None, "enter_wall_ns": int((started + 3) * S)} for r in waiting])
+    events = pl.DataFrame([{"rank": r, "attempt": a, "wall_ns": int(t * S), "kind": "start"}
+                           for r in WORLD for a, t in ((0, 0.0), (1, started))])
+    return Frames.build(steps=steps, topology=topo, liveness=live, open_collectives=opened, events=events,
+                        end_wall_ns=int(now * S))
+
+
+def test_a_relaunch_still_starting_is_not_a_hang_until_its_startup_grace() -> None:
+    # 34 s into the new attempt on a loaded machine: peers blocked on rank 1 for 31 s, nobody stepped yet
+    assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=False)) == ()
+    assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=True)) == ()
+    # past the grace the waits count again
+    late = detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=False), FailStopConfig(startup_grace_s=20.0))
+    assert late  # the detector speaks again (what it makes of this bare fixture is not the point)
+    # and a job that stepped in its new attempt is not starting
+    assert detect_failstops(_relaunch(started=20.0, now=64.0, rank1_in=False), FailStopConfig()) != ()
+
+
+def test_a_job_stop_names_the_attempt_its_terminal_events_belong_to() -> None:
+    # attempt 0 stopped by SIGTERM on every rank at 25.5 s; rank 0's attempt-1 start event has already arrived
+    frames = _relaunch(started=30.0, now=30.5, rank1_in=False)
+    events = pl.concat([
+        frames.events.filter((pl.col("attempt") == 0) | (pl.col("rank") == 0)),
+        pl.DataFrame([{"rank": r, "attempt": 0, "wall_ns": int(25.5 * S) + r, "kind": "signal", "signal": 15}
+                      for r in WORLD]),
+    ], how="diagonal_relaxed")
+    live = frames.liveness.with_columns(pl.when(pl.col("rank") == 0).then(1).otherwise(0).alias("attempt")
+                                        .cast(pl.Int32))
+    stopped = Frames.build(steps=frames.steps, topology=frames.topology.filter(
+        (pl.col("attempt") == 0) | (pl.col("rank") == 0)), liveness=live, events=events, end_wall_ns=int(30.5 * S))
+    (inc,) = detect_failstops(stopped)
+    assert (inc.klass, inc.subject.kind, inc.attempt) == (IncidentClass.FAIL_STOP, SubjectKind.JOB, 0)
