@@ -118,7 +118,7 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
     world = max(frames.world_size, live.height)
     reached = _reached(frames, live)
     blocked = _blocked(frames, start, now, block, reached)
-    starting = _starting(frames, start, now, config)
+    starting = _starting(frames, now, config)
     if starting:  # waits on a rank still starting are start-up, not a hang
         blocked = blocked.filter(pl.col("state") == "error")
     errors = _since_attempt(frames.collective_errors, start, "exit_wall_ns")
@@ -297,16 +297,16 @@ def _named_peers(events: pl.DataFrame, errors: pl.DataFrame, world: int) -> pl.D
     return out.select("reporter", pl.col("named").cast(pl.Int32), "wall_ns")
 
 
-def _starting(frames: Frames, start: pl.DataFrame, now: int, config: FailStopConfig) -> bool:
-    """No rank completed a step since its latest attempt began, and that began less than `startup_grace_s` ago."""
-    live = frames.liveness
-    if live.height == 0 or start.height == 0:
+def _starting(frames: Frames, now: int, config: FailStopConfig) -> bool:
+    """No rank completed a step since the newest attempt began (its first rank's start; a rank still spawning has
+    not even written its own), and that began less than `startup_grace_s` ago."""
+    topo, live = frames.topology, frames.liveness
+    if live.height == 0 or topo.height == 0 or "attempt" not in topo.columns:
         return False
-    rows = live.join(start, on="rank", how="inner")
-    began = rows["attempt_start"].max()
+    began = topo.filter(pl.col("attempt") == pl.col("attempt").max())["start_wall_ns"].min()
     if began is None or now - int(began) >= config.startup_grace_s * 1e9:  # type: ignore[arg-type]
         return False
-    return rows.filter(pl.col("last_step_end_wall_ns").fill_null(-1) >= pl.col("attempt_start")).height == 0
+    return live.filter(pl.col("last_step_end_wall_ns").fill_null(-1) >= int(began)).height == 0  # type: ignore[arg-type]
 
 
 def _stalled(live: pl.DataFrame, now: int, stall: int) -> bool:

@@ -16,14 +16,16 @@ WORLD = [0, 1, 2, 3]
 pytestmark = pytest.mark.timeout(60)
 
 
-def _relaunch(*, started: float, now: float, rank1_in: bool) -> Frames:
+def _relaunch(*, started: float, now: float, rank1_in: bool, rank1_topo: bool = True) -> Frames:
     """Attempt 0 trained steps 0..24 and was stopped at 25.5 s; attempt 1 began at `started` (resuming from step 19)
     and completed no step by `now`: ranks 0, 2, 3 wait in the resume's broadcast for rank 1, which is still loading
-    (its heartbeats on; with `rank1_in` it also waits in the broadcast)."""
+    (its heartbeats on; with `rank1_in` it also waits in the broadcast; without `rank1_topo` it has not written its
+    attempt-1 topology row yet: only its previous incarnation's is in)."""
     steps = pl.DataFrame([{"rank": r, "attempt": 0, "step": s, "start_wall_ns": s * S, "end_wall_ns": (s + 1) * S,
                            "duration_ns": S} for r in WORLD for s in range(25)])
     topo = pl.DataFrame([{"rank": r, "attempt": a, "world_size": 4, "host": f"host{r // 2}",
-                          "start_wall_ns": int(t * S)} for r in WORLD for a, t in ((0, 0.0), (1, started))])
+                          "start_wall_ns": int(t * S)} for r in WORLD for a, t in ((0, 0.0), (1, started))
+                         if rank1_topo or (r, a) != (1, 1)])
     live = pl.DataFrame([{"rank": r, "attempt": 1, "last_step": 24, "last_step_end_wall_ns": 25 * S,
                           "last_heartbeat_wall_ns": int(now * S), "last_seen_wall_ns": int(now * S)} for r in WORLD])
     waiting = [r for r in WORLD if r != 1 or rank1_in]
@@ -39,6 +41,7 @@ def test_a_relaunch_still_starting_is_not_a_hang_until_its_startup_grace() -> No
     # 34 s into the new attempt on a loaded machine: peers blocked on rank 1 for 31 s, nobody stepped yet
     assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=False)) == ()
     assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=True)) == ()
+    assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=False, rank1_topo=False)) == ()
     # past the grace the waits count again
     late = detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=False), FailStopConfig(startup_grace_s=20.0))
     assert late  # the detector speaks again (what it makes of this bare fixture is not the point)
