@@ -298,15 +298,21 @@ def _named_peers(events: pl.DataFrame, errors: pl.DataFrame, world: int) -> pl.D
 
 
 def _starting(frames: Frames, now: int, config: FailStopConfig) -> bool:
-    """No rank completed a step since the newest attempt began (its first rank's start; a rank still spawning has
-    not even written its own), and that began less than `startup_grace_s` ago."""
-    topo, live = frames.topology, frames.liveness
-    if live.height == 0 or topo.height == 0 or "attempt" not in topo.columns:
+    """The newest attempt (the highest any rank's liveness shows) has no completed step yet, and its first sign of
+    life (event or topology row; a rank still spawning has written neither) came less than `startup_grace_s` ago."""
+    live = frames.liveness
+    if live.height == 0:
         return False
-    began = topo.filter(pl.col("attempt") == pl.col("attempt").max())["start_wall_ns"].min()
-    if began is None or now - int(began) >= config.startup_grace_s * 1e9:  # type: ignore[arg-type]
+    newest = live["attempt"].max()
+    if newest is None:
         return False
-    return live.filter(pl.col("last_step_end_wall_ns").fill_null(-1) >= int(began)).height == 0  # type: ignore[arg-type]
+    if frames.steps.filter(pl.col("attempt").fill_null(0) == newest).height:
+        return False
+    signs = [frames.events.filter(pl.col("attempt").fill_null(0) == newest)["wall_ns"].min(),
+             frames.topology.filter(pl.col("attempt").fill_null(0) == newest)["start_wall_ns"].min()
+             if frames.topology.height and "attempt" in frames.topology.columns else None]
+    known = [int(x) for x in signs if x is not None]  # type: ignore[call-overload]
+    return bool(known) and now - min(known) < config.startup_grace_s * 1e9
 
 
 def _stalled(live: pl.DataFrame, now: int, stall: int) -> bool:

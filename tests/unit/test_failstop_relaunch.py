@@ -16,16 +16,20 @@ WORLD = [0, 1, 2, 3]
 pytestmark = pytest.mark.timeout(60)
 
 
-def _relaunch(*, started: float, now: float, rank1_in: bool, rank1_topo: bool = True) -> Frames:
+def _relaunch(*, started: float, now: float, rank1_in: bool, rank1_topo: bool = True, no_topo: bool = False,
+              stepped: bool = False) -> Frames:
     """Attempt 0 trained steps 0..24 and was stopped at 25.5 s; attempt 1 began at `started` (resuming from step 19)
     and completed no step by `now`: ranks 0, 2, 3 wait in the resume's broadcast for rank 1, which is still loading
     (its heartbeats on; with `rank1_in` it also waits in the broadcast; without `rank1_topo` it has not written its
     attempt-1 topology row yet: only its previous incarnation's is in)."""
     steps = pl.DataFrame([{"rank": r, "attempt": 0, "step": s, "start_wall_ns": s * S, "end_wall_ns": (s + 1) * S,
-                           "duration_ns": S} for r in WORLD for s in range(25)])
+                           "duration_ns": S} for r in WORLD for s in range(25)]
+                         + [{"rank": r, "attempt": 1, "step": 19 + i, "start_wall_ns": int((started + 40 + i) * S),
+                             "end_wall_ns": int((started + 41 + i) * S), "duration_ns": S}
+                            for r in WORLD for i in range(3) if stepped])
     topo = pl.DataFrame([{"rank": r, "attempt": a, "world_size": 4, "host": f"host{r // 2}",
                           "start_wall_ns": int(t * S)} for r in WORLD for a, t in ((0, 0.0), (1, started))
-                         if rank1_topo or (r, a) != (1, 1)])
+                         if (rank1_topo or (r, a) != (1, 1)) and not (no_topo and a == 1)])
     live = pl.DataFrame([{"rank": r, "attempt": 1, "last_step": 24, "last_step_end_wall_ns": 25 * S,
                           "last_heartbeat_wall_ns": int(now * S), "last_seen_wall_ns": int(now * S)} for r in WORLD])
     waiting = [r for r in WORLD if r != 1 or rank1_in]
@@ -42,11 +46,14 @@ def test_a_relaunch_still_starting_is_not_a_hang_until_its_startup_grace() -> No
     assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=False)) == ()
     assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=True)) == ()
     assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=False, rank1_topo=False)) == ()
+    # no topology row of the new attempt at all yet (a collector's start comes after spawn and imports); its start
+    # events and heartbeats say it began
+    assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=False, no_topo=True)) == ()
     # past the grace the waits count again
     late = detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=False), FailStopConfig(startup_grace_s=20.0))
     assert late  # the detector speaks again (what it makes of this bare fixture is not the point)
     # and a job that stepped in its new attempt is not starting
-    assert detect_failstops(_relaunch(started=20.0, now=64.0, rank1_in=False), FailStopConfig()) != ()
+    assert detect_failstops(_relaunch(started=10.0, now=64.0, rank1_in=False, stepped=True)) != ()
 
 
 def test_a_job_stop_names_the_attempt_its_terminal_events_belong_to() -> None:
