@@ -311,7 +311,7 @@ def _starting(frames: Frames, now: int, config: FailStopConfig) -> bool:
     signs = [frames.events.filter(pl.col("attempt").fill_null(0) == newest)["wall_ns"].min(),
              frames.topology.filter(pl.col("attempt").fill_null(0) == newest)["start_wall_ns"].min()
              if frames.topology.height and "attempt" in frames.topology.columns else None]
-    known = [int(x) for x in signs if x is not None]  # type: ignore[call-overload]
+    known = [int(x) for x in signs if x is not None]  # type: ignore[arg-type]
     return bool(known) and now - min(known) < config.startup_grace_s * 1e9
 
 
