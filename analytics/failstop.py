@@ -181,11 +181,19 @@ def _liveness(frames: Frames) -> pl.DataFrame:
 
 
 def _attempt_start(frames: Frames) -> pl.DataFrame:
-    """rank -> start wall time of its latest attempt (rows older than it belong to a previous incarnation)."""
+    """rank -> start wall time of its latest attempt (rows older than it belong to a previous incarnation). An
+    attempt is a launch of the whole job, so no rank's latest attempt began before the newest attempt's first start:
+    a rank still spawning, whose own topology row of it is not written yet, is not its previous incarnation."""
     topo = frames.topology
     if topo.height == 0:
         return pl.DataFrame(schema={"rank": pl.Int32, "attempt_start": pl.Int64})
-    return topo.group_by("rank").agg(pl.col("start_wall_ns").max().alias("attempt_start"))
+    own = topo.group_by("rank").agg(pl.col("start_wall_ns").max().alias("attempt_start"))
+    if "attempt" not in topo.columns:
+        return own
+    newest = topo.filter(pl.col("attempt") == pl.col("attempt").max())["start_wall_ns"].min()
+    if newest is None:
+        return own
+    return own.with_columns(pl.max_horizontal("attempt_start", pl.lit(int(newest))).alias("attempt_start"))  # type: ignore[arg-type]
 
 
 def _since_attempt(rows: pl.DataFrame, start: pl.DataFrame, wall: str) -> pl.DataFrame:

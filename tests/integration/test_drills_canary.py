@@ -43,4 +43,5 @@ def test_a_state_drill_and_a_checkpoint_drill_roll_back_past_what_holds_the_faul
     assert flip.detected == f"corruption rank:{VICTIM}" and flip.decision is not None, flip
     assert flip.resume_from == "step-00000019" and flip.bitwise is True and flip.passed, flip
     assert shard.detected == f"fail_stop rank:{VICTIM}" and shard.resume_from == "step-00000019", shard
-    assert "corrupt" in shard.reason and shard.bitwise is True and shard.passed, shard
+    # the damaged step-29 checkpoint was passed over and retired (as evidence), not resumed from
+    assert "step-00000029 -> .retired-step-00000029-" in shard.reason and shard.bitwise is True and shard.passed, shard

@@ -46,6 +46,14 @@ def test_a_relaunch_still_starting_is_not_a_hang_until_its_startup_grace() -> No
     assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=False)) == ()
     assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=True)) == ()
     assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=False, rank1_topo=False)) == ()
+    # ... also when rank 1's previous incarnation left a collective error behind (its own new start not written yet)
+    errored = _relaunch(started=30.0, now=64.0, rank1_in=False, rank1_topo=False)
+    errors = pl.DataFrame([{"rank": r, "step": 24, "op": "all_reduce", "group": "world", "group_ranks": WORLD,
+                            "group_seq": 24, "exit_wall_ns": int(25.2 * S), "error": "Connection reset by peer"}
+                           for r in (1,)])
+    assert detect_failstops(Frames.build(steps=errored.steps, topology=errored.topology, liveness=errored.liveness,
+                                         open_collectives=errored.open_collectives, events=errored.events,
+                                         collective_errors=errors, end_wall_ns=64 * S)) == ()
     # no topology row of the new attempt at all yet (a collector's start comes after spawn and imports); its start
     # events and heartbeats say it began
     assert detect_failstops(_relaunch(started=30.0, now=64.0, rank1_in=False, no_topo=True)) == ()
