@@ -35,6 +35,9 @@ Drills (DRILLS, in priority order):
                 past the step-29 checkpoint, its manifest is cut in half / one byte of rank 1's state file flipped on
                 disk (from outside), then rank 1 is SIGKILLed: the recovery must pass over the damaged checkpoint
                 (integrity-checked: CORRUPT) and resume from step 19
+    partition   every TCP connection of rank 1's process destroyed from outside (`ss -K`): its process group's
+                transport torn down, the process alive; every rank's collective fails at once, rank 1's with its own
+                end aborted, its peers' with a reset: fail_stop rank:1 (cause network), restarted
     full_storage
                 the step-29 save of rank 1's shard fails with ENOSPC (trainer.checkpoint's save fault, through the
                 job's environment, every attempt): nothing is published, training goes on; then rank 1 is SIGKILLed
@@ -134,6 +137,9 @@ class DrillSpec:
     """The subject is the rank's device (`device:<uuid>`, a device fault), not the rank."""
     slots_per_host: int = 0
     """Device slots per virtual host (CanaryConfig.slots_per_host; 0: one per rank): spares to place a relaunch on."""
+    cut: bool = False
+    """Once the victim completed `after` steps, reset every TCP connection of its process from outside (`ss -K`,
+    as a partition's peers see it): its process group's transport torn down while the process lives."""
     then_kill: int | None = None
     """Once the decision about the fault is done (a quarantine), SIGKILL this rank from outside: the relaunch that
     follows must be placed off what was quarantined."""
@@ -202,6 +208,9 @@ DRILLS: dict[str, DrillSpec] = {
                             classes=(IncidentClass.STRAGGLER,), rank=VICTIM, relaunch=True, device=True,
                             faults=Faults().bad_device(host=0, index=1, from_step=FAULT_AFTER, delay_s=0.08),
                             actions=(Action.QUARANTINE,), slots_per_host=3, then_kill=0),
+    "partition": DrillSpec(name="partition", what=f"every TCP connection of rank {VICTIM} reset from outside (ss -K): "
+                                                  f"its process group's transport torn down, the process alive",
+                           classes=(IncidentClass.FAIL_STOP,), rank=VICTIM, relaunch=True, cut=True),
     "full_storage": _killed_after("full_storage", f"ENOSPC in rank {VICTIM}'s step-29 save (every attempt)",
                                   env=((CHECKPOINT_FAULT_ENV, _SAVE_FAULT),)),
 }
@@ -550,6 +559,52 @@ def _tamper(run_dir: Path, how: Tamper, rank: int) -> str:
     return f"flipped the byte at offset {path.stat().st_size // 2} of {path}"
 
 
+def _tcp_connections(pid: int) -> list[tuple[str, str]]:
+    """(local "addr:port", remote "addr:port") of every established IPv4 TCP connection of process `pid` (its
+    socket inodes in /proc/<pid>/fd matched against /proc/net/tcp)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+
+    def addr(hexed: str) -> str:
+        ip, port = hexed.split(":")
+        return ".".join(str(int(ip[i:i + 2], 16)) for i in (6, 4, 2, 0)) + f":{int(port, 16)}"
+
+    out = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if len(f) > 9 and f[9] in inodes and f[3] == "01":  # 01: ESTABLISHED
+            out.append((addr(f[1]), addr(f[2])))
+    return out
+
+
+def _cut_connections(pid: int) -> str:
+    """Destroy every established TCP connection of `pid` (iproute2's `ss -K`, the kernel's sock_destroy): the
+    process sees its sockets aborted, its peers a reset. "<n> connection(s)"; RuntimeError when there is none or
+    `ss` cannot (no iproute2, a kernel without INET_DIAG_DESTROY, no CAP_NET_ADMIN)."""
+    import shutil
+    import subprocess
+
+    ss = shutil.which("ss")
+    if ss is None:
+        raise RuntimeError("the partition drill needs `ss` (iproute2: apt-get install -y iproute2)")
+    conns = _tcp_connections(pid)
+    if not conns:
+        raise RuntimeError(f"pid {pid}: no established TCP connection to cut")
+    for local, remote in conns:
+        subprocess.run([ss, "-K", "src", local, "dst", remote], capture_output=True, text=True, timeout=10, check=False)
+    left = set(_tcp_connections(pid)) & set(conns)
+    if left:
+        raise RuntimeError(f"pid {pid}: `ss -K` did not destroy {len(left)} of its {len(conns)} connection(s) (a "
+                           f"kernel without CONFIG_INET_DIAG_DESTROY, or no CAP_NET_ADMIN)")
+    return f"{len(conns)} TCP connection(s)"
+
+
 def _exit_wall_ns(run_dir: Path, rank: int) -> int | None:
     """The wall clock of the launcher's exit record of `rank` (live/exit-<r>.json), None before it exists."""
     from rankwatch.analytics.liveness import parse_exit_record
@@ -576,7 +631,7 @@ def _victim_step(monitor: Monitor, rank: int) -> int | None:
 def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: Path, ref: Mapping[str, Any],
            partial: dict[str, Any], say: Callable[[str], None], failed: list[BaseException]) -> DrillReport:
     manager = svc.manager
-    first = spec.after if spec.signal is not None else FAULT_AFTER - 2
+    first = spec.after if spec.signal is not None or spec.cut else FAULT_AFTER - 2
     _wait(lambda: (_victim_step(monitor, spec.rank) or -1) >= first, 120, f"rank {spec.rank} at step {first}", failed)
     if spec.signal is not None:
         if spec.tamper is not None:
@@ -585,6 +640,12 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
         os.kill(pid, spec.signal)
         clock.mark()
         say(f"drill {spec.name}: sent {signal.Signals(spec.signal).name} to rank {spec.rank} (pid {pid}) after step "
+            f"{_victim_step(monitor, spec.rank)}")
+    elif spec.cut:
+        pid = int(manager.status()["job"]["pids"][spec.rank])
+        cut = _cut_connections(pid)
+        clock.mark()
+        say(f"drill {spec.name}: reset {cut} of rank {spec.rank} (pid {pid}) after step "
             f"{_victim_step(monitor, spec.rank)}")
     elif spec.classes[0] is IncidentClass.HANG:  # in-job hang: its instant is the last step the rank completed
         _wait(lambda: (_victim_step(monitor, spec.rank) or -1) >= FAULT_AFTER, 60, f"rank {spec.rank} stuck", failed)

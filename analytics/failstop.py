@@ -20,6 +20,8 @@ evidence used:
 
 1. the rank the survivors' errors name: a peer rank in their exception or collective error messages ("connection
    closed by peer ... (rank 11)"), the most named first, following a chain to its end;
+   1b. the rank whose own connections failed locally while its peers' failed because it went (`analytics.transport`:
+   "Software caused connection abort" against "Connection reset by peer"): a partition of that rank, cause NETWORK;
 2. the rank(s) whose own abnormal terminal event came first, from a rank that was neither reacting (no failed
    collective, no peer named) nor already waiting in a collective;
 3. the root of the wait graph of blocked collectives (`_by_wait_graph`);
@@ -41,6 +43,7 @@ import polars as pl
 
 from rankwatch.analytics.frames import Clock, Frames
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
+from rankwatch.analytics.transport import partitioned
 from rankwatch.collector.schema import EventKind
 
 __all__ = ["FailStopConfig", "detect_failstops"]
@@ -131,6 +134,7 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
     if abnormal.height or errors.height or blocked.height or silent or stalled:
         rules = (
             ("named by peers", lambda: _by_named(named)),
+            ("own transport", lambda: _by_transport(events, errors)),
             ("events", lambda: _by_events(frames, abnormal, errors, named, blocked, silent, world, config)),
             ("wait graph", lambda: _by_wait_graph(blocked, reached, silent, frames.clock is Clock.DEVICE)),
             ("silence", lambda: silent),
@@ -145,6 +149,7 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
         job = _job_stop(frames, start, terminal, abnormal, world, replace(config, run_over=False) if starting else config)
         return (_job_incident(frames, job, events, config),) if job is not None else ()
     confidence = {"events": config.event_confidence, "named by peers": config.event_confidence,
+                  "own transport": config.event_confidence,
                   "wait graph": config.graph_confidence}.get(method, config.fallback_confidence)
     return tuple(
         _incident(frames, r, method, confidence, events, errors, blocked, stall, block, silent) for r in sorted(culprits)
@@ -362,6 +367,17 @@ def _by_named(named: pl.DataFrame) -> set[int]:
     )["reporter"])
     roots = candidates - reacting
     return roots or set(int(r) for r in votes.filter(pl.col("votes") == top)["named"])
+
+
+def _by_transport(events: pl.DataFrame, errors: pl.DataFrame) -> set[int]:
+    """The ranks whose own connections failed while their peers saw them go (analytics.transport.partitioned), from
+    each rank's exception and collective error messages."""
+    msgs: dict[int, list[str | None]] = {}
+    for r, m in events.filter(pl.col("kind") == str(EventKind.EXCEPTION)).select("rank", "message").iter_rows():
+        msgs.setdefault(int(r), []).append(m)
+    for r, m in errors.select("rank", "error").iter_rows():
+        msgs.setdefault(int(r), []).append(m)
+    return partitioned(msgs)
 
 
 def _by_events(frames: Frames, abnormal: pl.DataFrame, errors: pl.DataFrame, named: pl.DataFrame,
@@ -597,7 +613,10 @@ def _incident(frames: Frames, rank: int, method: str, confidence: float, events:
     # its own event right after its last step is how it stopped; one long after (a launcher's SIGTERM) is not
     prompt = own_t is not None and (step_end is None or own_t <= step_end + stall)
     first = own_t is not None and (first_reaction is None or own_t <= first_reaction)
-    if prompt or (first and not alive):
+    if method == "own transport":
+        klass, cause = IncidentClass.FAIL_STOP, Cause.NETWORK
+        how = "its own end of the network failed" + _event_detail(own_terminal)
+    elif prompt or (first and not alive):
         klass, cause = IncidentClass.FAIL_STOP, _event_cause(own_terminal)
         how = f"{cause}" + _event_detail(own_terminal)
     elif alive and alive_after is not None:

@@ -84,6 +84,9 @@ class Cause(StrEnum):
     SIGNAL = "signal"
     EXCEPTION = "exception"
     VANISHED = "vanished"
+    NETWORK = "network"
+    """The rank's own connections failed locally (aborted by its own stack, network down or unreachable) while its
+    peers saw it go (analytics.transport): a partition of that rank; its process may be alive."""
     STUCK_IN_COLLECTIVE = "stuck_in_collective"
     STUCK_IN_STEP = "stuck_in_step"
     TRANSIENT_STALL = "transient_stall"

@@ -22,6 +22,9 @@ A rank is (`RankState`):
 
 Incidents (`classify`), in analytics' vocabulary (`analytics.incidents`):
 
+0. A dead rank whose own connections failed locally while other dead ranks' failed because their peer went
+   (`analytics.transport.partitioned`: a partition of that rank) is a FAIL_STOP naming it, cause NETWORK — before
+   the job-wide reading below, which every rank dying at once would otherwise give.
 1. A STOPPED or LOST rank that was progressing when last heard from and did not die reacting (its exception came from
    a collective, or named a peer) is a FAIL_STOP naming it. Ranks that died after it while waiting for it, or of the
    error it caused, are survivors, not incidents. When every rank stopped within `job_window_heartbeats` of the first,
@@ -65,6 +68,7 @@ from typing import Any
 
 from rankwatch.analytics.errors import RunDirError, SchemaVersionError
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
+from rankwatch.analytics.transport import partitioned
 from rankwatch.collector.schema import (
     EXIT_RECORD_PREFIX,
     EXIT_RECORD_SUFFIX,
@@ -534,6 +538,10 @@ def _incidents(views: tuple[RankLiveness, ...], attempt: int, world: int, hb: in
                config: LivenessConfig) -> tuple[Incident, ...]:
     by_rank = {v.rank: v for v in views}
     dead = [v for v in views if v.state in _DEAD]
+    cut = partitioned({v.rank: [v.message] for v in dead})
+    if cut:
+        return tuple(_failstop(by_rank[r], views, "its own connections failed, its peers saw it go", config,
+                               network=True) for r in sorted(cut))
     culprits = [v for v in dead if not v.stuck_at_end and not v.reacting]
     if culprits:
         window = int(config.job_window_heartbeats * hb)
@@ -648,9 +656,11 @@ def _onset(v: RankLiveness) -> int | None:
 
 
 def _failstop(v: RankLiveness, views: tuple[RankLiveness, ...], method: str, config: LivenessConfig, *,
-              named: bool = False) -> Incident:
+              named: bool = False, network: bool = False) -> Incident:
     onset = _onset(v)
-    if v.exc_type is not None:
+    if network:
+        cause = Cause.NETWORK
+    elif v.exc_type is not None:
         cause = Cause.EXCEPTION
     elif v.signal is not None:
         cause = Cause.SIGNAL
@@ -659,11 +669,12 @@ def _failstop(v: RankLiveness, views: tuple[RankLiveness, ...], method: str, con
     else:
         cause = Cause.VANISHED
     after = [o.rank for o in views if o.rank != v.rank and (o.state is RankState.STUCK or o.state in _DEAD)]
-    how = v.why.split(": ", 1)[-1] if not named else f"its peers' errors name it ({v.why})"
+    how = (f"its peers' errors name it ({v.why})" if named else
+           f"its own end of the network failed ({v.why})" if network else v.why.split(": ", 1)[-1])
     step = f"in step {onset} (last completed step {v.last_step})" if onset is not None else "before its first record"
     summary = (f"rank {v.rank} stopped {step}: {how}; {len(after)} peer(s) stuck or gone after it "
                f"(liveness: {method})")
-    confidence = (config.named_confidence if named else
+    confidence = (config.named_confidence if named or network else
                   config.stopped_confidence if v.state is RankState.STOPPED else config.lost_confidence)
     subject = Subject(kind=SubjectKind.RANK, id=str(v.rank))
     return Incident(

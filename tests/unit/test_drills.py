@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from rankwatch.cli import main
 from rankwatch.drills import (
-    DRILLS, REPORT_FILE, DrillReport, Tamper, _tamper, drill_config, read_report, report_json, report_table, run_drill,
+    DRILLS, REPORT_FILE, DrillReport, Tamper, _cut_connections, _tamper, _tcp_connections, drill_config, read_report, report_json, report_table, run_drill,
     write_report,
 )
 from rankwatch.monitor import Monitor
@@ -56,8 +60,10 @@ def test_every_drill_config_is_valid(tmp_path: Path) -> None:
         cfg = drill_config(tmp_path / spec.name, spec.faults)
         assert cfg.world_size == 4 and cfg.checkpoint_every and cfg.fingerprint_every
         assert spec.rank < cfg.world_size
-        # one fault each: an outside signal (after a spoiled checkpoint or under a save fault) or an in-job one
-        assert (spec.signal is not None) != bool(spec.faults.specs()), spec.name
+        # one fault each: an outside signal (after a spoiled checkpoint or under a save fault) or connection cut, or
+        # an in-job one
+        assert (spec.signal is not None or spec.cut) != bool(spec.faults.specs()), spec.name
+        assert not (spec.signal is not None and spec.cut), spec.name
         assert spec.tamper is None and not spec.env or spec.signal is not None, spec.name
 
 
@@ -108,3 +114,36 @@ def test_monitor_keeps_each_incident_first_seen_with_its_clock(tmp_path: Path,
         Monitor(out, webhook="http://127.0.0.1:1/alerts")
     with pytest.raises(ValueError, match="--poll 0 must be > 0"):
         Monitor(out, poll=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs iproute2's ss")
+def test_cutting_a_processs_connections_resets_its_peers_and_leaves_it_alive() -> None:
+    """The partition drill's outside action on a real process: every established TCP connection of the pid is
+    destroyed; its peer (here the test) reads a reset, the process lives and sees its own end aborted."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys\n"
+        f"c = socket.create_connection(('127.0.0.1', {port}))\n"
+        "print('up', flush=True)\n"
+        "try:\n    c.recv(1)\nexcept OSError as e:\n    print(e.strerror, flush=True)\n"
+        "input()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    conn: socket.socket | None = None
+    try:
+        conn, _ = srv.accept()
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        assert len(_tcp_connections(child.pid)) == 1
+        assert _cut_connections(child.pid) == "1 TCP connection(s)"
+        assert child.stdout.readline().strip() == "Software caused connection abort"  # its own end: local
+        with pytest.raises(ConnectionResetError):  # the peer's: the other end went away
+            conn.recv(1)
+        assert child.poll() is None and _tcp_connections(child.pid) == []
+        with pytest.raises(RuntimeError, match="no established TCP connection"):
+            _cut_connections(child.pid)
+    finally:
+        child.kill()
+        child.communicate(timeout=10)
+        if conn is not None:
+            conn.close()
+        srv.close()
