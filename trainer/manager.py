@@ -51,6 +51,7 @@ from rankwatch.collector.schema import ChangeReason, LineageKind, Steps, Table
 from rankwatch.collector.sink import partition_dir
 from rankwatch.trainer.canary import CanaryConfig, place_off, placement
 from rankwatch.trainer.catalog import CHECKPOINT_DIR, Verdict, checkpoint_id, list_checkpoints
+from rankwatch.trainer.faults import Faults
 from rankwatch.trainer.evidence import preserve_evidence
 from rankwatch.trainer.launch import LaunchResult, launch
 from rankwatch.trainer.runfile import RUN_FILE, read_launches
@@ -376,10 +377,11 @@ def place_off_quarantine(run_dir: Path, cfg: CanaryConfig, *, say: Callable[[str
 
 def _retire(run_dir: Path, checkpoint: CheckpointRef | None, rid: str) -> tuple[str, ...]:
     """Move committed checkpoints newer than `checkpoint` (all of them from step 0) and every partial one out of
-    the catalog's names; they stay on disk as evidence."""
+    the catalog's names; they stay on disk as evidence, named with their verified verdict (a shard whose SHA-256 no
+    longer matches is labelled corrupt, not committed)."""
     root = run_dir / CHECKPOINT_DIR
     moved = []
-    for c in list_checkpoints(run_dir, verify=False):
+    for c in list_checkpoints(run_dir, verify=True):
         newer = checkpoint is None or c.step > checkpoint.step
         if c.verdict is Verdict.PARTIAL or (newer and c.path.name != getattr(checkpoint, "id", None)):
             name = f".retired-{checkpoint_id(c.step)}-{c.verdict}-{rid}"
@@ -584,8 +586,14 @@ def _trained(run_dir: Path) -> bool:
 
 
 def config_from_run(run_dir: Path) -> CanaryConfig:
-    """The latest launch's config as <run>/run.json recorded it (faults left out: a relaunch does not re-inject)."""
+    """The latest launch's config as <run>/run.json recorded it. Of its faults only the machine's are kept
+    (`Faults.hardware()`: a bad device slot, a slow link, which a relaunch on the same machine meets again); an
+    attempt's injected faults are not re-injected."""
     last = _launches(Path(run_dir))[-1]
+    try:
+        faults = Faults.parse(list(last.get("faults", []))).hardware()
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{Path(run_dir) / RUN_FILE}: launch record's faults unreadable ({exc})") from None
     try:
         return CanaryConfig(
             run_dir=Path(run_dir), steps=int(last["steps"]), layout=Layout.parse(last["layout"], nproc=last["world_size"]),
@@ -600,7 +608,7 @@ def config_from_run(run_dir: Path) -> CanaryConfig:
             grad_norm=bool(last.get("grad_norm", True)),
             pin_ddp_buckets=bool(last.get("pin_ddp_buckets", True)),
             deterministic_algorithms=bool(last.get("deterministic_algorithms", False)),
-            pace_s=float(last.get("pace_s", 0.0)),
+            pace_s=float(last.get("pace_s", 0.0)), faults=faults,
         )
     except KeyError as exc:
         raise ValueError(f"{Path(run_dir) / RUN_FILE}: launch record lacks {exc} (written by an older rankwatch)") from None

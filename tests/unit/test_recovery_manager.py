@@ -142,6 +142,23 @@ def test_apply_a_rollback_retires_newer_and_partial_checkpoints_and_relaunches_b
     assert not lineage_path(cfg.run_dir).exists()  # the resumed job records its own rollback once the gate agreed
 
 
+def test_a_retired_checkpoint_is_named_with_its_verified_verdict(tmp_path: Path) -> None:
+    from support import make_checkpoint
+
+    cfg = _run(tmp_path, ())
+    for step in (4, 9, 14):
+        make_checkpoint(cfg.run_dir, step)
+    shard = sorted((cfg.run_dir / CHECKPOINT_DIR / "step-00000009").glob("rank-*"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte flipped in place: the manifest still reads, the SHA-256 does not match
+    shard.write_bytes(bytes(data))
+    only4 = CheckpointCatalogView(committed=(CheckpointRef(id="step-00000004", step=4),))
+    apply(cfg, plan_recovery([_inc(IncidentClass.FAIL_STOP)], job=CANARY, catalog=only4), launcher=FakeLauncher())
+    assert sorted(p.name for p in (cfg.run_dir / CHECKPOINT_DIR).iterdir()) == [
+        ".retired-step-00000009-corrupt-recovery-0001", ".retired-step-00000014-committed-recovery-0001",
+        "step-00000004"]
+
+
 def test_the_replay_basis_is_where_an_undone_state_fault_may_have_begun() -> None:
     sampled = Incident(klass=IncidentClass.DIVERGENCE, subject=Subject(kind=SubjectKind.RANK, id="1"), ranks=(1,),
                        onset_step=10, last_good_step=5, detection_step=10, confidence=0.9, cause=Cause.RNG_MISMATCH,
@@ -184,6 +201,27 @@ def test_apply_quarantine_writes_the_list_and_lineage_once(tmp_path: Path) -> No
     assert entry.kind is LineageKind.DEVICE_QUARANTINED and entry.details.subject == "host:host1"
     assert (cfg.run_dir / QUARANTINE_FILE).exists()
     assert sorted(p.name for p in (cfg.run_dir / RECOVERY_DIR).iterdir()) == ["recovery-0001.json", "recovery-0002.json"]
+
+
+def test_config_from_run_keeps_the_machines_faults_and_drops_the_attempts(tmp_path: Path) -> None:
+    from rankwatch.trainer.faults import BadDevice, Faults, SlowLink
+    from rankwatch.trainer.launch import record_launch
+
+    faults = (Faults().bad_device(host=0, index=1, from_step=5, delay_s=0.08).slow_link(hosts=(0, 1), delay_s=0.01)
+              .exit(rank=1, step=3).bitflip(rank=2, step=4))
+    cfg = CanaryConfig(run_dir=tmp_path / "run", steps=10, layout=Layout.parse("dp=4", nproc=4), hosts=2,
+                       faults=faults, slots_per_host=3)
+    cfg.run_dir.mkdir()
+    record_launch(cfg)
+    again = config_from_run(cfg.run_dir)
+    assert [type(f) for f in again.faults.faults] == [BadDevice, SlowLink]
+    assert again.faults == faults.hardware() and again.slots_per_host == 3
+    run_file = cfg.run_dir / RUN_FILE
+    doc = json.loads(run_file.read_text())
+    doc["launches"][-1]["faults"] = ["nonsense:rank=1"]
+    run_file.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"run.json: launch record's faults unreadable"):
+        config_from_run(cfg.run_dir)
 
 
 def test_config_from_run_names_what_an_old_run_file_lacks(tmp_path: Path) -> None:
