@@ -38,6 +38,12 @@ Drills (DRILLS, in priority order):
     partition   every TCP connection of rank 1's process destroyed from outside (`ss -K`): its process group's
                 transport torn down, the process alive; every rank's collective fails at once, rank 1's with its own
                 end aborted, its peers' with a reset: fail_stop rank:1 (cause network), restarted
+    failing_device
+                the (replayed) GPU in slot 1 of host 0 raises a device error at step 23 under whichever rank sits on
+                it, in every attempt, its counters healthy: fail_stop rank:1 and a restart; the same again (one rank
+                on one device: inconclusive), so the relaunch rotates the ranks over the slots; then rank 0 fails
+                on it, the fault follows the device across the attempts (analytics.localize), it is quarantined and
+                the last relaunch placed off it
     full_storage
                 the step-29 save of rank 1's shard fails with ENOSPC (trainer.checkpoint's save fault, through the
                 job's environment, every attempt): nothing is published, training goes on; then rank 1 is SIGKILLed
@@ -140,6 +146,11 @@ class DrillSpec:
     cut: bool = False
     """Once the victim completed `after` steps, reset every TCP connection of its process from outside (`ss -K`,
     as a partition's peers see it): its process group's transport torn down while the process lives."""
+    recurs: int = 0
+    """Times the fault comes back on a relaunch (a fault of the machine, met by whichever rank is placed on it) before
+    localization across the attempts quarantines it: that many more recoveries, the second one moving the ranks to
+    other devices (`RecoveryPlan.reshuffle`), the last one quarantining the device; the final attempt is placed off
+    it."""
     then_kill: int | None = None
     """Once the decision about the fault is done (a quarantine), SIGKILL this rank from outside: the relaunch that
     follows must be placed off what was quarantined."""
@@ -211,6 +222,11 @@ DRILLS: dict[str, DrillSpec] = {
     "partition": DrillSpec(name="partition", what=f"every TCP connection of rank {VICTIM} reset from outside (ss -K): "
                                                   f"its process group's transport torn down, the process alive",
                            classes=(IncidentClass.FAIL_STOP,), rank=VICTIM, relaunch=True, cut=True),
+    "failing_device": DrillSpec(
+        name="failing_device", what=f"the GPU in slot 1 of host 0 raises a device error (no XID, healthy counters) at "
+                                    f"step {FAULT_AFTER + 1} under whichever rank is placed on it, every attempt",
+        classes=(IncidentClass.FAIL_STOP,), rank=VICTIM, relaunch=True, slots_per_host=3, recurs=2,
+        faults=Faults().failing_device(host=0, index=1, step=FAULT_AFTER + 1)),
     "full_storage": _killed_after("full_storage", f"ENOSPC in rank {VICTIM}'s step-29 save (every attempt)",
                                   env=((CHECKPOINT_FAULT_ENV, _SAVE_FAULT),)),
 }
@@ -651,7 +667,7 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
         _wait(lambda: (_victim_step(monitor, spec.rank) or -1) >= FAULT_AFTER, 60, f"rank {spec.rank} stuck", failed)
         clock.mark(_step_end_wall_ns(monitor, spec.rank))
         say(f"drill {spec.name}: rank {spec.rank} stuck after step {FAULT_AFTER}")
-    elif spec.classes[0] is IncidentClass.FAIL_STOP:  # in-job exit: its instant is the launcher's exit record
+    elif spec.classes[0] is IncidentClass.FAIL_STOP:  # in-job exit or error: its instant is the launcher's exit record
         _wait(lambda: _exit_wall_ns(run_dir, spec.rank) is not None, 60, f"rank {spec.rank}'s exit record", failed)
         clock.mark(_exit_wall_ns(run_dir, spec.rank))
         say(f"drill {spec.name}: rank {spec.rank} exited")
@@ -702,10 +718,11 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
         st = manager.status()
         if not ended and st["attempts"] and st["attempts"][0]["exit_codes"] is not None:
             ended.append(time.time_ns())  # the fault's attempt is over (every rank gone): the job stopped
-        return st["job"]["state"] in ("finished", "failed") and (
+        # a fault that recurs fails attempts on the way: only the job's end counts
+        return st["job"]["state"] in (("finished",) if spec.recurs else ("finished", "failed")) and (
             not spec.relaunch or (st["last_decision"] or {}).get("state") in ("done", "failed"))
 
-    _wait(over, 240, "the job finished", failed)
+    _wait(over, 240 + 150 * spec.recurs, "the job finished", failed)
     if spec.relaunch and ended:
         partial["stopped_s"] = clock.since_wall(ended[0])
     time.sleep(0.5)
@@ -741,7 +758,7 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
     if spec.relaunch:
         if not dec["action"] or dec["action"] == "observe":
             return fail(f"the decision was {dec['action']}, not a relaunch")
-        expected = 1 if spec.then_kill is None else 2  # the quarantine's record, then the relaunch's
+        expected = 2 if spec.then_kill is not None else 1 + spec.recurs  # (the quarantine's record, then the relaunch's)
         if len(recs) > expected:
             return fail(f"{len(recs)} recoveries for {expected} fault(s): " + "; ".join(
                 f"{r['id']} ({', '.join(d['class'] + ' ' + d['subject'] for d in r['decisions'])}: {r['outcome']})"
@@ -753,6 +770,20 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
             if rec is not None:
                 partial["recovery"] = f"{rec['id']}: {rec['outcome']}"
             ours = [d for d in (rec or {}).get("decisions", []) if d["class"] == IncidentClass.FAIL_STOP]
+        if spec.recurs:
+            if len(recs) != expected:
+                return fail(f"{len(recs)} recoveries: the fault was to come back {spec.recurs} time(s) before it "
+                            "was localized")
+            docs = [json.loads(p.read_text()) for p in recs]
+            if not docs[1].get("reshuffle"):
+                return fail(f"{docs[1]['id']} did not move the ranks off the device the fault recurred on")
+            rec = docs[-1]
+            partial["recovery"] = f"{rec['id']}: {rec['outcome']}"
+            if not rec["quarantined"]:
+                return fail(f"{rec['id']}: the fault recurred under other rank numbers and nothing was quarantined")
+            ours = [d for d in rec["decisions"] if d["class"] in spec.classes]
+            gate = next((p for d in ours for p in d["path"] if str(p).startswith("gate")), None)
+            partial["gate"] = gate
         if rec is None or rec["outcome"] != "recovered":
             return fail("no recovery record" if rec is None else f"{rec['id']}: outcome {rec['outcome']}")
         if not ours:
@@ -761,7 +792,7 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
             return fail(f"the decision was {dec['action']}, not {' or '.join(spec.actions)}")
         if len(attempts) < 2 or attempts[-1]["resume_from"] is None:
             return fail("the new attempt did not resume from a checkpoint")
-        if spec.then_kill is not None and (on := _off_quarantine(run_dir, len(attempts) - 1)) is not None:
+        if (spec.then_kill is not None or spec.recurs) and (on := _off_quarantine(run_dir, len(attempts) - 1)) is not None:
             return fail(f"the relaunch was placed on the quarantine list: {on}")
         if spec.resume_from is not None and attempts[-1]["resume_from"] != spec.resume_from:
             return fail(f"the new attempt resumed from {attempts[-1]['resume_from']}, not {spec.resume_from} (the "

@@ -187,18 +187,47 @@ def _liveness(frames: Frames) -> pl.DataFrame:
 
 def _attempt_start(frames: Frames) -> pl.DataFrame:
     """rank -> start wall time of its latest attempt (rows older than it belong to a previous incarnation). An
-    attempt is a launch of the whole job, so no rank's latest attempt began before the newest attempt's first start:
-    a rank still spawning, whose own topology row of it is not written yet, is not its previous incarnation."""
+    attempt is a launch of the whole job, so in a relaunched job no rank's latest attempt began before the newest
+    attempt's first sign of life (`_newest_start`): a rank still spawning, whose own rows of it are not written yet,
+    is not its previous incarnation."""
     topo = frames.topology
-    if topo.height == 0:
+    if topo.height == 0 and not frames.liveness.height:
         return pl.DataFrame(schema={"rank": pl.Int32, "attempt_start": pl.Int64})
-    own = topo.group_by("rank").agg(pl.col("start_wall_ns").max().alias("attempt_start"))
-    if "attempt" not in topo.columns:
+    own = (topo.group_by("rank").agg(pl.col("start_wall_ns").max().alias("attempt_start"))
+           .with_columns(pl.col("rank").cast(pl.Int32)) if topo.height else
+           pl.DataFrame(schema={"rank": pl.Int32, "attempt_start": pl.Int64}))
+    newest, first = _newest_start(frames)
+    if newest is None or first is None:
         return own
-    newest = topo.filter(pl.col("attempt") == pl.col("attempt").max())["start_wall_ns"].min()
-    if newest is None:
-        return own
-    return own.with_columns(pl.max_horizontal("attempt_start", pl.lit(int(newest))).alias("attempt_start"))  # type: ignore[arg-type]
+    if newest == 0:  # never relaunched: no previous incarnation to tell apart
+        if "attempt" not in topo.columns or not topo.height:
+            return own
+        t0 = topo.filter(pl.col("attempt").fill_null(0) == 0)["start_wall_ns"].min()
+        if t0 is None:
+            return own
+        return own.with_columns(pl.max_horizontal("attempt_start", pl.lit(int(t0))).alias("attempt_start"))  # type: ignore[arg-type]
+    ranks = frames.liveness.select(pl.col("rank").cast(pl.Int32)).unique()
+    return (ranks.join(own, on="rank", how="full", coalesce=True)
+            .with_columns(pl.max_horizontal(pl.col("attempt_start"), pl.lit(first)).alias("attempt_start")))
+
+
+def _newest_start(frames: Frames) -> tuple[int | None, int | None]:
+    """(the newest attempt any rank's liveness or topology shows, its first sign of life: an event, a heartbeat — a
+    relaunched rank beats before it writes its topology row — or a topology row); Nones when nothing says."""
+    live, topo = frames.liveness, frames.topology
+    attempts = [a for a in (live["attempt"].max() if live.height else None,
+                            topo["attempt"].max() if topo.height and "attempt" in topo.columns else None)
+                if a is not None]
+    if not attempts:
+        return None, None
+    newest = int(max(attempts))  # type: ignore[arg-type]
+    signs = [frames.events.filter(pl.col("attempt").fill_null(0) == newest)["wall_ns"].min(),
+             topo.filter(pl.col("attempt").fill_null(0) == newest)["start_wall_ns"].min()
+             if topo.height and "attempt" in topo.columns else None,
+             live.filter(pl.col("attempt") == newest)["first_seen_wall_ns"].min()
+             if "first_seen_wall_ns" in live.columns else None]
+    known = [int(x) for x in signs if x is not None]  # type: ignore[arg-type]
+    return newest, min(known) if known else None
 
 
 def _since_attempt(rows: pl.DataFrame, start: pl.DataFrame, wall: str) -> pl.DataFrame:
@@ -311,21 +340,14 @@ def _named_peers(events: pl.DataFrame, errors: pl.DataFrame, world: int) -> pl.D
 
 
 def _starting(frames: Frames, now: int, config: FailStopConfig) -> bool:
-    """The newest attempt (the highest any rank's liveness shows) has no completed step yet, and its first sign of
-    life (event or topology row; a rank still spawning has written neither) came less than `startup_grace_s` ago."""
-    live = frames.liveness
-    if live.height == 0:
-        return False
-    newest = live["attempt"].max()
-    if newest is None:
+    """The newest attempt has no completed step yet, and its first sign of life (`_newest_start`; a rank still
+    spawning has written none) came less than `startup_grace_s` ago."""
+    newest, first = _newest_start(frames)
+    if newest is None or first is None:
         return False
     if frames.steps.filter(pl.col("attempt").fill_null(0) == newest).height:
         return False
-    signs = [frames.events.filter(pl.col("attempt").fill_null(0) == newest)["wall_ns"].min(),
-             frames.topology.filter(pl.col("attempt").fill_null(0) == newest)["start_wall_ns"].min()
-             if frames.topology.height and "attempt" in frames.topology.columns else None]
-    known = [int(x) for x in signs if x is not None]  # type: ignore[arg-type]
-    return bool(known) and now - min(known) < config.startup_grace_s * 1e9
+    return now - first < config.startup_grace_s * 1e9
 
 
 def _stalled(live: pl.DataFrame, now: int, stall: int) -> bool:

@@ -106,6 +106,7 @@ FRAME_SCHEMAS: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {
     "liveness": {
         "rank": _I32, "attempt": _I32, "last_step": _I64, "last_step_end_wall_ns": _I64,
         "last_heartbeat_wall_ns": _I64, "last_seen_wall_ns": _I64, "heartbeat_step": _I64,
+        "first_seen_wall_ns": _I64,
     },
     # Collectives a rank entered and never left: the latest in_flight snapshot not superseded by an ok/error row.
     "open_collectives": {

@@ -26,7 +26,9 @@ Incidents (`classify`), in analytics' vocabulary (`analytics.incidents`):
    (`analytics.transport.partitioned`: a partition of that rank) is a FAIL_STOP naming it, cause NETWORK — before
    the job-wide reading below, which every rank dying at once would otherwise give.
 1. A STOPPED or LOST rank that was progressing when last heard from and did not die reacting (its exception came from
-   a collective, or named a peer) is a FAIL_STOP naming it. Ranks that died after it while waiting for it, or of the
+   a collective, named a peer, or said the peer went away: "Connection closed by peer"), nor of a signal more than
+   `job_window_heartbeats` after the first such death (the stop that followed it: the launcher's or the manager's
+   SIGTERM), is a FAIL_STOP naming it. Ranks that died after it while waiting for it, or of the
    error it caused, are survivors, not incidents. When every rank stopped within `job_window_heartbeats` of the first,
    none reacting, it is one FAIL_STOP of the job.
 2. When every dead rank reacted, the rank their messages name (one that names no other) is the fail-stop: it is gone
@@ -68,7 +70,7 @@ from typing import Any
 
 from rankwatch.analytics.errors import RunDirError, SchemaVersionError
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
-from rankwatch.analytics.transport import partitioned
+from rankwatch.analytics.transport import TransportSide, partitioned, transport_side
 from rankwatch.collector.schema import (
     EXIT_RECORD_PREFIX,
     EXIT_RECORD_SUFFIX,
@@ -486,7 +488,8 @@ def _rank_view(r: int, attempt: int, rec: RankRecord | None, ex: ExitRecord | No
         return RankLiveness(
             state=RankState.STOPPED, why=f"stopped: {_how_ended(rec, ex)}", exit_code=exit_code, signal=sig,
             last_seen_wall_ns=last_seen, stuck_at_end=rec.wall_ns - rec.progress_wall_ns > allowed,
-            reacting=rec.exc_type is not None and (rec.collective is not None or bool(_named(rec.message, r, world))),
+            reacting=rec.exc_type is not None and (rec.collective is not None or bool(_named(rec.message, r, world))
+                                                   or transport_side(rec.message) is TransportSide.REMOTE),
             detectable_wall_ns=min(told), **common)
     if silent > lost_ns:
         return RankLiveness(state=RankState.LOST, last_seen_wall_ns=rec.wall_ns,
@@ -543,8 +546,12 @@ def _incidents(views: tuple[RankLiveness, ...], attempt: int, world: int, hb: in
         return tuple(_failstop(by_rank[r], views, "its own connections failed, its peers saw it go", config,
                                network=True) for r in sorted(cut))
     culprits = [v for v in dead if not v.stuck_at_end and not v.reacting]
+    window = int(config.job_window_heartbeats * hb)
+    first = min((v.last_seen_wall_ns for v in culprits if v.last_seen_wall_ns is not None), default=None)
+    if first is not None:  # a signal well after the first death is the stop that followed it (launcher, manager)
+        culprits = [v for v in culprits if v.signal is None or v.last_seen_wall_ns is None
+                    or v.last_seen_wall_ns <= first + window]
     if culprits:
-        window = int(config.job_window_heartbeats * hb)
         seen = [v.last_seen_wall_ns for v in culprits if v.last_seen_wall_ns is not None]
         if len(culprits) == world and len(seen) == world and max(seen) - min(seen) <= window:
             return (_job_failstop(views, attempt, config),)

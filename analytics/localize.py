@@ -104,6 +104,9 @@ class Localization:
     quarantine: tuple[QuarantineCandidate, ...]
     summary: str
     incident_ids: tuple[str, ...] = ()
+    reshuffle: bool = False
+    """Inconclusive because a device implicated again and again only ever held one rank number: moving ranks to
+    other devices (a relaunch placed otherwise) is what tells device from rank at the next occurrence."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,7 +157,14 @@ def _family(klass: IncidentClass, observations: Sequence[RunObservation]) -> Loc
         klass=klass, follows=follows, subject=subject, observations=len(observations), occurrences=occurrences,
         by_device=by_device, by_rank=by_rank, by_host=by_host, by_link=by_link, quarantine=(quarantine,),
         summary=f"{klass}: {why}", incident_ids=ids,
+        reshuffle=follows is FollowsKind.INCONCLUSIVE and _never_moved(seen, by_device),
     )
+
+
+def _never_moved(seen: Sequence[_Seen], by_device: tuple[Occurrences, ...]) -> bool:
+    """A device implicated at least twice, only ever under one rank number."""
+    return any(o.implicated >= 2 and len({r for s in seen for r in s.ranks if s.rank_device.get(r) == o.id}) < 2
+               for o in by_device)
 
 
 def _seen(obs: RunObservation, incidents: Sequence[Incident]) -> _Seen:

@@ -78,16 +78,30 @@ def run_clock(con: duckdb.DuckDBPyConnection, clock: Clock = Clock.AUTO,
 # -- frames for the detectors ------------------------------------------------------------------------------------
 
 
+_TOPOLOGY_ROWS = """SELECT rank, attempt, world_size, host, local_rank, pid, device_uuid, dp, tp, pp, dp_size, tp_size, pp_size,
+               'pp=' || pp AS role, start_wall_ns
+        FROM topology"""
+
+
 def topology(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
     """Each rank's latest start: host, device, parallel coordinates; role = its pipeline stage."""
     if Table.TOPOLOGY not in _tables(con):
         return conform("topology", None)
-    return conform("topology", _frame(con, """
-        SELECT rank, attempt, world_size, host, local_rank, pid, device_uuid, dp, tp, pp, dp_size, tp_size, pp_size,
-               'pp=' || pp AS role, start_wall_ns
-        FROM topology
+    return conform("topology", _frame(con, f"""
+        {_TOPOLOGY_ROWS}
         QUALIFY row_number() OVER (PARTITION BY rank ORDER BY attempt DESC, start_wall_ns DESC) = 1
         ORDER BY rank"""))
+
+
+def attempt_topology(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """Each rank's start in every attempt (its latest row per attempt), as `topology` has them, by attempt and rank:
+    where every attempt placed every rank (a relaunch may move ranks to other devices)."""
+    if Table.TOPOLOGY not in _tables(con):
+        return conform("topology", None)
+    return conform("topology", _frame(con, f"""
+        {_TOPOLOGY_ROWS}
+        QUALIFY row_number() OVER (PARTITION BY rank, attempt ORDER BY start_wall_ns DESC) = 1
+        ORDER BY attempt, rank"""))
 
 
 def groups(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
@@ -341,8 +355,9 @@ def events(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
 
 
 def liveness(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
-    """Per rank (its latest attempt): the last step it completed and when, its last heartbeat, and the newest
-    time anything was heard from it."""
+    """Per rank (its latest attempt): the last step it completed and when, its last heartbeat, the newest time
+    anything was heard from it, and the first time anything was heard from it in that attempt (a relaunched rank
+    beats before it writes its topology row)."""
     have = _tables(con)
     if Table.EVENTS not in have:
         return conform("liveness", None)
@@ -351,14 +366,14 @@ def liveness(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
                 "SELECT NULL::INTEGER AS rank, NULL::BIGINT AS last_step, NULL::BIGINT AS last_step_end_wall_ns")
     return conform("liveness", _frame(con, f"""
         WITH a AS (SELECT rank, max(attempt) AS attempt FROM events GROUP BY rank),
-        e AS (SELECT e.rank, max(e.wall_ns) AS last_seen_wall_ns,
+        e AS (SELECT e.rank, max(e.wall_ns) AS last_seen_wall_ns, min(e.wall_ns) AS first_seen_wall_ns,
                      max(e.wall_ns) FILTER (WHERE e.kind = '{EventKind.HEARTBEAT}') AS last_heartbeat_wall_ns,
                      arg_max(e.step, e.wall_ns) FILTER (WHERE e.kind = '{EventKind.HEARTBEAT}') AS heartbeat_step
               FROM events e JOIN a ON e.rank = a.rank AND e.attempt = a.attempt GROUP BY e.rank),
         s AS ({step_cte})
         SELECT a.rank, a.attempt, coalesce(s.last_step, -1) AS last_step, s.last_step_end_wall_ns,
                e.last_heartbeat_wall_ns, greatest(e.last_seen_wall_ns, s.last_step_end_wall_ns) AS last_seen_wall_ns,
-               e.heartbeat_step
+               e.heartbeat_step, e.first_seen_wall_ns
         FROM a LEFT JOIN e USING (rank) LEFT JOIN s USING (rank) ORDER BY a.rank"""))
 
 

@@ -37,7 +37,7 @@ from rankwatch.collector.null import NullCollector
 from rankwatch.collector.schema import EventKind
 from rankwatch.trainer.checkpoint import CheckpointConfig, CheckpointFault, current_versions, save_checkpoint
 from rankwatch.trainer.determinism import DDP_BUCKET_CAP_MB, DeterminismInputs, pin_ddp_buckets
-from rankwatch.trainer.faults import FlipTarget, Faults
+from rankwatch.trainer.faults import DEVICE_ERROR_TEXT, FlipTarget, Faults
 from rankwatch.trainer.model import ModelConfig, ShardedLoader, Stage, SyntheticRegression
 from rankwatch.trainer.parallel import Hosts, Layout, build_groups
 from rankwatch.trainer.resume import resume
@@ -477,6 +477,8 @@ class _Rank:
             time.sleep(60)
         if f.hang_at(self.rank, step):
             threading.Event().wait()  # the training thread never returns; heartbeats go on
+        if f.device_error_at(self.rank, step):  # recorded as the rank's exception (run_rank), then the process exits
+            raise RuntimeError(f"{DEVICE_ERROR_TEXT} (device slot {self.slot} of {self.host})")
         if f.skews_rng(self.rank, step):
             torch.rand(1)
         if (offset := f.data_offset(self.rank, step)):

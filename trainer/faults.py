@@ -30,6 +30,8 @@ class FaultKind(StrEnum):
     NUDGE = "nudge"
     GPU_SLOW = "gpu_slow"
     FREEZE = "freeze"
+    FAILING_DEVICE = "failing_device"
+    DEVICE_ERROR = "device_error"
 
 
 class FlipTarget(StrEnum):
@@ -141,6 +143,32 @@ class BadDevice:
     reason: str = "thermal"
 
 
+DEVICE_ERROR_TEXT = "CUDA error: unspecified launch failure"
+"""What a rank on a failing device raises (`DeviceError`): the text a GPU fault that leaves no XID or ECC counter
+behind gives to the kernel launches of whichever process uses the device."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FailingDevice:
+    """A failing (replayed) GPU: whichever rank is placed on device slot `index` of host `host` raises a device
+    error (`DEVICE_ERROR_TEXT`) at the start of `step`, in every attempt that reaches it, and its process exits. Its
+    NVML counters stay healthy: nothing but the failure's recurrence under different rank numbers says it is the
+    device (analytics.localize)."""
+
+    host: int
+    index: int
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceError:
+    """The rank raises a device error (RuntimeError, `DEVICE_ERROR_TEXT`) at the start of `step`: a failing device
+    as the rank placed on it meets it (`Faults.placed`)."""
+
+    rank: int
+    step: int
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SlowLink:
     """Collectives whose group crosses the link between hosts `host_a` and `host_b` take `delay_s` longer."""
@@ -187,7 +215,7 @@ class Freeze:
 
 
 Fault = (Slow | Exit | Kill | Hang | BitFlip | SkewRng | SkewData | Throttle | BadDevice | SlowLink | Nudge | GpuSlow
-         | Freeze)
+         | Freeze | FailingDevice | DeviceError)
 
 THROTTLE_REASONS: dict[str, ThrottleReason] = {
     "thermal": ThrottleReason.HW_THERMAL_SLOWDOWN,
@@ -228,6 +256,8 @@ _KINDS: dict[FaultKind, tuple[type, dict[str, str]]] = {
     FaultKind.NUDGE: (Nudge, {"param": "param", "index": "index"}),
     FaultKind.GPU_SLOW: (GpuSlow, {"rank": "rank", "from": "from_step", "factor": "factor", "until": "until_step"}),
     FaultKind.FREEZE: (Freeze, {"rank": "rank", "step": "step", "seconds": "seconds"}),
+    FaultKind.FAILING_DEVICE: (FailingDevice, {"host": "host", "index": "index", "step": "step"}),
+    FaultKind.DEVICE_ERROR: (DeviceError, {"rank": "rank", "step": "step"}),
 }
 _KIND_OF: dict[type, FaultKind] = {cls: kind for kind, (cls, _) in _KINDS.items()}
 
@@ -390,7 +420,7 @@ class Faults:
     def validate(self, *, world_size: int, hosts: int) -> None:
         """Reject faults naming ranks, hosts or device slots the job does not have (one-line ValueError)."""
         for f in self.faults:
-            if isinstance(f, BadDevice):
+            if isinstance(f, BadDevice | FailingDevice):
                 per_host = world_size // hosts
                 if f.host >= hosts:
                     raise ValueError(f"fault {fault_spec(f)!r}: host {f.host} does not exist (hosts are 0..{hosts - 1})")
@@ -408,13 +438,16 @@ class Faults:
 
     def placed(self, *, rank: int, host: int, slot: int) -> Faults:
         """These faults as seen by `rank` placed on device `slot` of host `host`: a bad device becomes a throttle
-        of the rank now on it."""
+        of the rank now on it, a failing device a device error of it."""
         out: list[Fault] = []
         for f in self.faults:
             if isinstance(f, BadDevice):
                 if (f.host, f.index) == (host, slot):
                     out.append(Throttle(rank=rank, from_step=f.from_step, delay_s=f.delay_s, until_step=f.until_step,
                                         reason=f.reason))
+            elif isinstance(f, FailingDevice):
+                if (f.host, f.index) == (host, slot):
+                    out.append(DeviceError(rank=rank, step=f.step))
             else:
                 out.append(f)
         return replace(self, faults=tuple(out))
@@ -425,6 +458,12 @@ class Faults:
             raise ValueError(f"fault bad_device: reason {reason!r} is not one of {'|'.join(THROTTLE_REASONS)}")
         return self.add(BadDevice(host=host, index=index, from_step=from_step, delay_s=delay_s, until_step=until_step,
                                   reason=reason))
+
+    def failing_device(self, *, host: int, index: int, step: int) -> Faults:
+        return self.add(FailingDevice(host=host, index=index, step=step))
+
+    def device_error(self, *, rank: int, step: int) -> Faults:
+        return self.add(DeviceError(rank=rank, step=step))
 
     def nudge(self, *, param: int = 0, index: int = 0) -> Faults:
         return self.add(Nudge(param=param, index=index))
@@ -468,6 +507,9 @@ class Faults:
     def kill_at(self, rank: int, step: int) -> Kill | None:
         return next((f for f in self._of(Kill, rank) if f.step == step), None)
 
+    def device_error_at(self, rank: int, step: int) -> bool:
+        return any(f.step == step for f in self._of(DeviceError, rank))
+
     def freeze_s(self, rank: int, step: int) -> float:
         """Seconds the rank's process is stopped at `step` (`freeze`); 0.0 for none."""
         return sum(f.seconds for f in self._of(Freeze, rank) if f.step == step)
@@ -494,9 +536,9 @@ class Faults:
         return total
 
     def hardware(self) -> Faults:
-        """The faults of the machine, not of an attempt (a bad device slot, a slow link): a relaunch on the same
-        machine meets them again, wherever its ranks are placed."""
-        return replace(self, faults=tuple(f for f in self.faults if isinstance(f, BadDevice | SlowLink)))
+        """The faults of the machine, not of an attempt (a bad or failing device slot, a slow link): a relaunch on the
+        same machine meets them again, wherever its ranks are placed."""
+        return replace(self, faults=tuple(f for f in self.faults if isinstance(f, BadDevice | FailingDevice | SlowLink)))
 
     def __bool__(self) -> bool:
         return bool(self.faults)

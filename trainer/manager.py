@@ -38,11 +38,16 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import duckdb
+import polars as pl
 import pyarrow.parquet as pq
 
 from rankwatch.analytics.analyze import AnalysisConfig, analyze, observe_run, write_analysis
 from rankwatch.analytics.incidents import Incident, IncidentClass, sort_incidents
-from rankwatch.analytics.localize import FollowsKind, localize
+from rankwatch.analytics.localize import FollowsKind, Localization, RunObservation, localize
+from rankwatch.analytics.queries import attempt_topology, groups
+from rankwatch.analytics.store import open_run, telemetry_dir
+from rankwatch.analytics.validate import read_error
 from rankwatch.analytics.recovery import (
     Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, Idempotency, MembershipSupport,
     RecurrenceView, ScopeKind, Target, TargetKind, decide,
@@ -62,9 +67,10 @@ from rankwatch.trainer.parallel import Layout
 from rankwatch.trainer.resume import last_completed_step
 
 __all__ = [
-    "QUARANTINE_FILE", "RECOVERY_DIR", "Decided", "JobDeclaration", "RecoveryPlan", "RecoveryRecord", "Supervised",
-    "apply", "assess", "canary_declaration", "catalog_view", "config_from_run", "place_off_quarantine",
-    "plan_recovery", "quarantined", "recurrence_from", "supervise",
+    "MAX_FAILED_RELAUNCHES", "QUARANTINE_FILE", "RECOVERY_DIR", "Decided", "JobDeclaration", "RecoveryPlan",
+    "RecoveryRecord", "Supervised", "apply", "assess", "canary_declaration", "catalog_view", "config_from_run",
+    "localize_attempts", "place_off_quarantine", "plan_recovery", "quarantined", "recurrence_from", "reshuffled",
+    "supervise",
 ]
 
 RECOVERY_DIR = "recovery"
@@ -147,6 +153,10 @@ class RecoveryPlan:
     """Why the executed action is broader than a decision asked for, one line each."""
     skipped: tuple[str, ...] = ()
     """Incident ids already acted on by an earlier recovery, or raised before the latest launch."""
+    reshuffle: tuple[str, ...] = ()
+    """Devices (UUIDs) a recurring fault was seen on, again and again under one rank number: the relaunch moves the
+    ranks to other devices (a rank number onto each) so that the next occurrence tells device from rank
+    (`analytics.localize`, `Localization.reshuffle`). They are not quarantined."""
 
     @property
     def relaunch(self) -> bool:
@@ -165,6 +175,9 @@ class RecoveryPlan:
         if self.relaunch:
             where = self.checkpoint.id if self.checkpoint is not None else "step 0 (no clean committed checkpoint)"
             out.append(f"=> restart the job from {where}")
+            if self.reshuffle:
+                out.append(f"=> with its ranks moved to other devices, to tell device from rank: "
+                           f"{', '.join(self.reshuffle)} recurred under one rank number")
         elif self.action is Action.QUARANTINE:
             out.append("=> quarantine only; the job is not touched")
         else:
@@ -257,9 +270,12 @@ def assess(
     job: JobDeclaration | None = None,
     recurrence: Mapping[IncidentClass, RecurrenceView] | None = None,
     gate: GateResult | None = None,
+    also: Sequence[Incident] = (),
 ) -> RecoveryPlan:
     """Analyze the run (writing <run>/analysis/incidents.*), keep the incidents that are new — raised in the
-    latest launch and not acted on by an earlier recovery — and plan. Touches nothing else."""
+    latest launch and not acted on by an earlier recovery — and plan. `also`: incidents known from elsewhere (the
+    live reading, which may see a fault before the part files show it); each is decided with the new ones unless
+    the analysis raised one of its class about its subject, or a recovery handled it. Touches nothing else."""
     run_dir = Path(run_dir)
     started = int(_launches(run_dir)[-1]["started_wall_ns"])
     analysis = analyze(run_dir, config=AnalysisConfig())
@@ -270,9 +286,49 @@ def assess(
     for inc in analysis.incidents:
         old = inc.detection_wall_ns is not None and inc.detection_wall_ns < started
         (skipped if inc.id in handled or old else new).append(inc)
+    known = {(i.klass, i.subject) for i in new} | {i.id for i in skipped}
+    new.extend(i for i in also if (i.klass, i.subject) not in known and i.id not in known and i.id not in handled)
+    found: tuple[Localization, ...] = ()
+    if recurrence is None:  # none from other runs: what this run's own attempts say
+        found = localize_attempts(run_dir, new)
+        recurrence = {loc.klass: RecurrenceView.from_localization(loc) for loc in found
+                      if loc.follows is not FollowsKind.INCONCLUSIVE}
     plan = plan_recovery(new, job=job or canary_declaration(layout), catalog=catalog_view(run_dir, layout), gate=gate,
                          recurrence=recurrence)
-    return replace(plan, skipped=tuple(i.id for i in skipped))
+    classes = {d.incident.klass for d in plan.decided}
+    suspects = tuple(sorted({o.id for loc in found if loc.reshuffle and loc.klass in classes
+                             for o in loc.by_device if o.implicated >= 2}))
+    return replace(plan, skipped=tuple(i.id for i in skipped), reshuffle=suspects if plan.relaunch else ())
+
+
+def localize_attempts(run_dir: Path, incidents: Sequence[Incident]) -> tuple[Localization, ...]:
+    """Localization across this run's attempts (`analytics.localize`, one observation per attempt on the placement
+    it ran with): the incidents earlier recoveries acted on (their records keep them) and `incidents` (new ones).
+    A fault that recurs attempt after attempt follows the device when it stayed with one GPU under different rank
+    numbers. Incidents without an attempt are left out."""
+    run_dir = Path(run_dir)
+    seen: dict[str, Incident] = {}
+    for rec in sorted((run_dir / RECOVERY_DIR).glob("recovery-*.json")):
+        try:
+            docs = [d["incident_doc"] for d in json.loads(rec.read_text())["decisions"] if "incident_doc" in d]
+            seen.update((i.id, i) for i in (Incident.from_dict(doc) for doc in docs))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{rec}: unreadable recovery record ({type(exc).__name__}: {exc})") from None
+    seen.update((i.id, i) for i in incidents)
+    by_attempt: dict[int, list[Incident]] = {}
+    for inc in seen.values():
+        if inc.attempt is not None:
+            by_attempt.setdefault(inc.attempt, []).append(inc)
+    if len(by_attempt) < 2:
+        return ()  # one attempt's incidents cannot recur
+    store = open_run(run_dir)
+    try:
+        topo, grouped = attempt_topology(store.con), groups(store.con)
+    except duckdb.Error as exc:
+        raise read_error(exc, telemetry_dir(run_dir)) from None
+    attempts = sorted(int(a) for a in topo["attempt"].unique())
+    return localize([RunObservation(run=f"{run_dir}#attempt-{a}", attempt=a, incidents=tuple(by_attempt.get(a, ())),
+                                    topology=topo.filter(pl.col("attempt") == a), groups=grouped) for a in attempts])
 
 
 # ---------------------------------------------------------------------------------------------------------- apply
@@ -304,7 +360,27 @@ class Outcome(StrEnum):
     RECOVERED = "recovered"
     RELAUNCH_FAILED = "relaunch_failed"
     RELAUNCH_REFUSED = "relaunch_refused"
-    """Nothing left to place the job on off the quarantine list: not relaunched."""
+    """Nothing left to place the job on off the quarantine list, or a crash loop (`MAX_FAILED_RELAUNCHES`): not
+    relaunched."""
+
+
+MAX_FAILED_RELAUNCHES = 5
+"""`apply` refuses to relaunch after this many recoveries in a row whose relaunch failed: a fault that comes back
+every attempt and that nothing localized is a crash loop, and a person must look (torchrun's --max-restarts)."""
+
+
+def _failed_in_a_row(run_dir: Path) -> int:
+    """How many of the latest recovery records, in a row, relaunched and failed."""
+    n = 0
+    for rec in sorted((run_dir / RECOVERY_DIR).glob("recovery-*.json"), reverse=True):
+        try:
+            outcome = json.loads(rec.read_text())["outcome"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{rec}: unreadable recovery record ({type(exc).__name__}: {exc})") from None
+        if outcome != Outcome.RELAUNCH_FAILED:
+            break
+        n += 1
+    return n
 
 
 def quarantined(run_dir: Path) -> tuple[dict[str, Any], ...]:
@@ -364,15 +440,46 @@ def place_off_quarantine(run_dir: Path, cfg: CanaryConfig, *, say: Callable[[str
         return cfg
     for line in moves:
         say(f"placement off the quarantine list: {line}")
-    before, after = placement(cfg), placement(placed)
+    _record_moves(run_dir, cfg, placed, lambda rank, uuid: uuid in devices,
+                  lambda rank, uuid: f"rank {rank} placed off quarantined {uuid}: " + "; ".join(moves))
+    return placed
+
+
+def _record_moves(run_dir: Path, before_cfg: CanaryConfig, after_cfg: CanaryConfig, which: Callable[[int, str], bool],
+                  text: Callable[[int, str], str]) -> None:
+    """A DEVICE_REPLACED lineage entry (CHANGED: hardware) for each rank `which` picks by (rank, old device UUID)."""
+    before, after = placement(before_cfg), placement(after_cfg)
     book = Lineage(lineage_path(run_dir))
     for rank, (_, _, uuid) in before.items():
-        if uuid in devices:
+        if which(rank, uuid) and after[rank][2] != uuid:
             book.append(NewEntry(kind=LineageKind.DEVICE_REPLACED, verdict=LineageVerdict.changed(
                 ChangeReason.HARDWARE, note="another physical device; bitwise identity is not assumed"),
-                details=Details(old_device=uuid, new_device=after[rank][2],
-                                text=f"rank {rank} placed off quarantined {uuid}: " + "; ".join(moves))))
-    return placed
+                details=Details(old_device=uuid, new_device=after[rank][2], text=text(rank, uuid))))
+
+
+def reshuffled(run_dir: Path, cfg: CanaryConfig, suspects: Sequence[str], *,
+               say: Callable[[str], None] = lambda _: None) -> CanaryConfig:
+    """`cfg` with the ranks rotated over their hosts' device slots (the next `device_shift`) so that every suspect
+    device (UUID) holds another rank number than now, and no rank is on a quarantined device: the next occurrence of
+    a fault that recurred on one device under one rank number then tells device from rank. Every rank that changes
+    device is recorded in lineage (DEVICE_REPLACED). `cfg` itself, said, when no rotation does."""
+    bad = {str(e["id"]) for e in quarantined(run_dir) if e.get("kind") == str(TargetKind.DEVICE)}
+    now = placement(cfg)
+    holder = {u: r for r, (_, _, u) in now.items()}
+    n_slots = cfg.slots_per_host or max(s for _, s, _ in now.values()) + 1
+    for k in range(1, n_slots):
+        moved = replace(cfg, device_shift=(cfg.device_shift + k) % n_slots)
+        there = {u: r for r, (_, _, u) in placement(moved).items()}
+        if set(there) & bad or any(d in holder and there.get(d, holder[d]) == holder[d] for d in suspects):
+            continue
+        why = (f"rotated by {k} device slot(s): {', '.join(suspects)} recurred under one rank number; another rank "
+               f"number on it tells device from rank")
+        say(f"placement: {why}")
+        _record_moves(run_dir, cfg, moved, lambda rank, uuid: True, lambda rank, uuid: f"rank {rank} moved off {uuid}: {why}")
+        return moved
+    say(f"placement: no rotation of the device slots puts another rank on {', '.join(suspects)} clear of the "
+        f"quarantine list; placed as before")
+    return cfg
 
 
 def _retire(run_dir: Path, checkpoint: CheckpointRef | None, rid: str) -> tuple[str, ...]:
@@ -400,6 +507,7 @@ def apply(
     plan: RecoveryPlan,
     *,
     keep_faults: bool = False,
+    max_failed_relaunches: int = MAX_FAILED_RELAUNCHES,
     launcher: Callable[..., LaunchResult] = launch,
     say: Callable[[str], None] = lambda _: None,
     **launch_kw: Any,
@@ -448,7 +556,12 @@ def apply(
         else:
             again = replace(cfg, faults=faults, resume=True, resume_from=plan.checkpoint.id)
         try:
+            if (failures := _failed_in_a_row(run_dir)) >= max_failed_relaunches:
+                raise ValueError(f"crash loop: the last {failures} relaunches failed, and nothing localized the fault "
+                                 f"to take out of placement; not relaunching again (the evidence is kept)")
             again = place_off_quarantine(run_dir, again, say=lambda m: say(f"{rid}: {m}"))
+            if plan.reshuffle:
+                again = reshuffled(run_dir, again, plan.reshuffle, say=lambda m: say(f"{rid}: {m}"))
         except ValueError as exc:
             refused = f"{exc}"
         if refused:
@@ -495,13 +608,14 @@ def _record_json(r: RecoveryRecord) -> dict[str, Any]:
         "checkpoint": None if p.checkpoint is None else p.checkpoint.id,
         "decisions": [{
             "incident": d.incident.id, "class": str(d.incident.klass), "subject": str(d.incident.subject),
-            "action": str(d.decision.action), "target": None if d.decision.target is None else str(d.decision.target),
+            "incident_doc": d.incident.to_dict(), "action": str(d.decision.action), "target": None if d.decision.target is None else str(d.decision.target),
             "path": list(d.decision.path), "reasons": list(d.decision.reasons),
             "lineage": {"comparability": str(d.decision.lineage.comparability),
                         "changed": [str(c) for c in d.decision.lineage.changed]},
         } for d in p.decided],
         "escalations": list(p.escalations),
         "skipped": list(p.skipped),
+        "reshuffle": list(p.reshuffle),
         "evidence": [str(e) for e in r.evidence],
         "quarantined": list(r.quarantined),
         "retired": list(r.retired),

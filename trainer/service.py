@@ -303,33 +303,16 @@ def plan_from_message(run_dir: Path, cfg: CanaryConfig, message: AlertMessage) -
 
 
 def plan_live(run_dir: Path, cfg: CanaryConfig, message: AlertMessage) -> RecoveryPlan:
-    """After the attempt ended: `assess` the run (post-hoc analysis, new incidents only). When that reading did not
-    raise the message's incident (the live window saw the fault before the telemetry showed it to the post-hoc
-    reading, or the stop cut it short) — no incident of its class about its subject — and no recovery has handled
-    it yet and it belongs to the latest attempt, it is decided too, so a job the service stopped is not left stopped
-    for want of a second sighting. (The live and the post-hoc readings may give one fault different ids: their
-    onset steps can differ.)"""
+    """After the attempt ended: `assess` the run (post-hoc analysis, new incidents only), with the message's
+    incident among them when that reading did not raise it (the live window saw the fault before the telemetry
+    showed it to the post-hoc reading, or the stop cut it short) — no incident of its class about its subject — and
+    no recovery has handled it yet and it belongs to the latest attempt, so a job the service stopped is not left
+    stopped for want of a second sighting. (The live and the post-hoc readings may give one fault different ids:
+    their onset steps can differ.)"""
     run_dir = Path(run_dir)
-    plan = assess(run_dir, layout=cfg.layout)
     inc = message.incident
     latest = len(read_launches(run_dir)) - 1
-    seen = {(d.incident.klass, d.incident.subject) for d in plan.decided}
-    if ((inc.klass, inc.subject) in seen or inc.id in plan.skipped or inc.id in _handled(run_dir)
-            or (inc.attempt is not None and inc.attempt < latest)):
-        return plan
-    joined = plan_recovery([*(d.incident for d in plan.decided), inc], job=canary_declaration(cfg.layout),
-                           catalog=catalog_view(run_dir, cfg.layout))
-    return replace(joined, skipped=plan.skipped)
-
-
-def _handled(run_dir: Path) -> set[str]:
-    ids: set[str] = set()
-    for rec in (run_dir / RECOVERY_DIR).glob("recovery-*.json"):
-        try:
-            ids.update(json.loads(rec.read_text())["incidents"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # assess names an unreadable record loudly; here it only cannot mark anything handled
-    return ids
+    return assess(run_dir, layout=cfg.layout, also=() if inc.attempt is not None and inc.attempt < latest else (inc,))
 
 
 def _covering(run_dir: Path, incident_id: str) -> str | None:

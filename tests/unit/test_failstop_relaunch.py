@@ -78,3 +78,34 @@ def test_a_job_stop_names_the_attempt_its_terminal_events_belong_to() -> None:
         (pl.col("attempt") == 0) | (pl.col("rank") == 0)), liveness=live, events=events, end_wall_ns=int(30.5 * S))
     (inc,) = detect_failstops(stopped)
     assert (inc.klass, inc.subject.kind, inc.attempt) == (IncidentClass.FAIL_STOP, SubjectKind.JOB, 0)
+
+
+def test_a_relaunched_rank_that_only_beats_so_far_makes_its_attempt_starting() -> None:
+    """The failing_device drill's moment: attempt 0 ended with rank 1's device error and its peers' collective
+    errors; 23 s into attempt 1 only rank 1's new heartbeats are in — no topology row, no other event of attempt 1,
+    the other ranks' liveness still attempt 0's. Not a hang of rank 1 blamed on its peers' old errors."""
+    started, now = 30.0, 53.0
+    steps = pl.DataFrame([{"rank": r, "attempt": 0, "step": s, "start_wall_ns": s * S, "end_wall_ns": (s + 1) * S,
+                           "duration_ns": S} for r in WORLD for s in range(23)])
+    topo = pl.DataFrame([{"rank": r, "attempt": 0, "world_size": 4, "host": f"host{r // 2}", "start_wall_ns": 0}
+                         for r in WORLD])
+    live = pl.DataFrame([{"rank": r, "attempt": 1 if r == 1 else 0, "last_step": 22, "last_step_end_wall_ns": 23 * S,
+                          "last_heartbeat_wall_ns": int((now if r == 1 else 23.3) * S),
+                          "last_seen_wall_ns": int((now if r == 1 else 23.4) * S),
+                          "first_seen_wall_ns": int((started + 20 if r == 1 else 0.0) * S)} for r in WORLD])
+    errors = pl.DataFrame([{"rank": r, "step": 23, "op": "all_reduce", "group": "world", "group_ranks": WORLD,
+                            "group_seq": 23, "exit_wall_ns": int(23.3 * S), "error": "Connection reset by peer"}
+                           for r in (0, 2, 3)])
+    events = pl.DataFrame([{"rank": r, "attempt": 0, "wall_ns": int(23.3 * S), "kind": "exception",
+                            "exc_type": "RuntimeError", "collective_op": "all_reduce", "collective_group": "world"}
+                           for r in (0, 2, 3)]
+                          + [{"rank": r, "attempt": 0, "wall_ns": int(23.4 * S), "kind": "exit", "exit_code": 1}
+                             for r in (0, 2, 3)])
+    frames = Frames.build(steps=steps, topology=topo, liveness=live, collective_errors=errors, events=events,
+                          end_wall_ns=int(now * S))
+    # nothing about attempt 1 (what remains of attempt 0's stop is labelled attempt 0: the service passes over it)
+    assert [(i.attempt, i.subject.kind) for i in detect_failstops(frames)] == [(0, SubjectKind.JOB)]
+    # the same without the heartbeat's first sight (nothing says attempt 1 began) is read as before the fix
+    blind = Frames.build(steps=steps, topology=topo, liveness=live.drop("first_seen_wall_ns"), collective_errors=errors,
+                         events=events, end_wall_ns=int(now * S))
+    assert [(i.klass, i.subject.id, i.attempt) for i in detect_failstops(blind)] == [(IncidentClass.HANG, "1", 1)]

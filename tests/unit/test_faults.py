@@ -12,6 +12,8 @@ from rankwatch.trainer.faults import (
     FAULT_HELP,
     THROTTLE_REASONS,
     BadDevice,
+    DeviceError,
+    FailingDevice,
     BitFlip,
     Exit,
     Fault,
@@ -66,6 +68,8 @@ FULL: dict[FaultKind, tuple[str, Fault]] = {
     FaultKind.GPU_SLOW: ("gpu_slow:rank=1,from=20,factor=1.5,until=60",
                          GpuSlow(rank=1, from_step=20, factor=1.5, until_step=60)),
     FaultKind.FREEZE: ("freeze:rank=2,step=30,seconds=4.0", Freeze(rank=2, step=30, seconds=4.0)),
+    FaultKind.FAILING_DEVICE: ("failing_device:host=1,index=0,step=23", FailingDevice(host=1, index=0, step=23)),
+    FaultKind.DEVICE_ERROR: ("device_error:rank=2,step=7", DeviceError(rank=2, step=7)),
 }
 
 # The shortest valid spec per kind, and what it parses to (defaults filled in).
@@ -83,6 +87,8 @@ MINIMAL: dict[FaultKind, tuple[str, Fault]] = {
     FaultKind.NUDGE: ("nudge:", Nudge()),
     FaultKind.GPU_SLOW: ("gpu_slow:rank=0,factor=2", GpuSlow(rank=0, factor=2.0)),
     FaultKind.FREEZE: ("freeze:rank=0,step=1,seconds=1", Freeze(rank=0, step=1, seconds=1.0)),
+    FaultKind.FAILING_DEVICE: ("failing_device:host=0,index=1,step=0", FailingDevice(host=0, index=1, step=0)),
+    FaultKind.DEVICE_ERROR: ("device_error:rank=0,step=3", DeviceError(rank=0, step=3)),
 }
 
 
@@ -258,6 +264,8 @@ def test_every_builder_adds_its_fault() -> None:
         .nudge(param=2, index=7)
         .gpu_slow(rank=1, from_step=20, factor=1.5, until_step=60)
         .freeze(rank=2, step=30, seconds=4.0)
+        .failing_device(host=1, index=0, step=23)
+        .device_error(rank=2, step=7)
     )
     assert f.faults == tuple(fault for _, fault in FULL.values())
 
@@ -390,6 +398,17 @@ def test_a_bad_device_throttles_whichever_rank_is_placed_on_it() -> None:
     assert on_it.compute_delay_s(0, 3) == 0.05 and on_it.throttle_reason(0, 2) is None
     assert faults.placed(rank=1, host=0, slot=0).faults == (Exit(rank=2, step=9),)
     assert faults.placed(rank=3, host=1, slot=1).faults == (Exit(rank=2, step=9),)
+
+
+def test_a_failing_device_fails_whichever_rank_is_placed_on_it_and_stays_with_the_machine() -> None:
+    faults = Faults().failing_device(host=0, index=1, step=23).exit(rank=2, step=9)
+    on_it = faults.placed(rank=0, host=0, slot=1)
+    assert on_it.faults == (DeviceError(rank=0, step=23), Exit(rank=2, step=9))
+    assert on_it.device_error_at(0, 23) and not on_it.device_error_at(0, 22) and not on_it.device_error_at(1, 23)
+    assert faults.placed(rank=1, host=0, slot=0).faults == (Exit(rank=2, step=9),)
+    assert faults.hardware().faults == (FailingDevice(host=0, index=1, step=23),)
+    with pytest.raises(ValueError, match=r"device slot 2 does not exist"):
+        Faults().failing_device(host=0, index=2, step=1).validate(world_size=4, hosts=2)
 
 
 def test_a_bad_device_must_exist() -> None:

@@ -452,3 +452,23 @@ def test_the_view_renders_one_line_per_rank() -> None:
     lines = view.table().splitlines()
     assert len(lines) == 1 + WORLD and lines[3].split()[:2] == ["2", "stopped"] and "SIGKILL" in lines[3]
     assert view.line() == "attempt 0, 4 ranks: 3 running, 1 stopped"
+
+
+def test_peers_that_die_of_the_culprits_going_or_are_stopped_after_it_are_not_culprits() -> None:
+    """The failing_device drill's attempt: rank 2's device error (its exception outside any collective) ends it;
+    rank 0 dies of "Connection closed by peer" with its collective already closed in its record; ranks 1 and 3 are
+    SIGTERMed by the manager's stop seconds later. One fail-stop: rank 2."""
+    culprit = rec(2, at=10.0, state=LiveState.EXITING, exit_code=1, exc_type="RuntimeError",
+                  message="CUDA error: unspecified launch failure (device slot 1 of host1)")
+    closed = rec(0, at=10.2, progress=10.0, state=LiveState.EXITING, exit_code=1, exc_type="RuntimeError",
+                 message="[pair.cc:553] Connection closed by peer [127.0.0.1]:8107. This is typically caused by a "
+                         "remote worker crashing.")
+    records = [culprit, closed, rec(1, at=13.0, progress=10.0), rec(3, at=13.0, progress=10.0)]
+    exits = [exit_(2, at=10.05, code=1), exit_(0, at=10.25, code=1), exit_(1, at=13.5, sig=15), exit_(3, at=13.5, sig=15)]
+    view = classify(records, exits, now(14.0))
+    assert [r.reacting for r in view.ranks] == [True, False, False, False]
+    assert [(i.subject.id, i.cause) for i in view.incidents] == [("2", Cause.EXCEPTION)]
+    # killed together within the job window, they are still one fail-stop each (a host lost at once)
+    together = classify([rec(r, at=10.0) for r in range(WORLD)], [exit_(r, at=10.05 + 0.01 * r, sig=9) for r in (0, 1)],
+                        now(10.3))
+    assert [i.subject.id for i in together.incidents] == ["0", "1"]

@@ -132,6 +132,16 @@ def test_unchanged_mapping_is_inconclusive_and_says_so() -> None:
     assert loc.quarantine[0].kind is QuarantineKind.NONE
 
 
+def test_only_a_device_that_never_held_another_rank_asks_for_a_reshuffle() -> None:
+    stayed = _one([_obs(0, [_rank(5)]), _obs(1, [_rank(5)])])
+    assert stayed.follows is FollowsKind.INCONCLUSIVE and stayed.reshuffle and "reshuffle" in stayed.summary
+    once = _one([_obs(0, [_rank(5)]), _obs(1, [])])  # one occurrence: nothing recurred, nothing to tell apart
+    assert once.follows is FollowsKind.INCONCLUSIVE and not once.reshuffle
+    # after the reshuffle the fault shows under the rank now on the device: it follows the device
+    moved = _one([_obs(0, [_rank(5)]), _obs(1, [_rank(5)]), _obs(2, [_rank(6)], _swap(5, 6))])
+    assert moved.follows is FollowsKind.DEVICE and moved.subject == "GPU-h1-1" and not moved.reshuffle
+
+
 def test_device_and_rank_recurring_equally_is_inconclusive() -> None:
     # rank 5 on GPU-h1-1, then rank 5 on GPU-h2-1, then rank 9 on GPU-h1-1: either reading fits twice of three
     loc = _one([_obs(0, [_rank(5)]), _obs(1, [_rank(5)], _swap(5, 9)), _obs(2, [_rank(9)])])
@@ -147,6 +157,8 @@ def test_families_are_localized_separately_and_non_blaming_subjects_ignored() ->
     by_class = {loc.klass: loc for loc in locs}
     assert by_class[IncidentClass.STRAGGLER].follows is FollowsKind.DEVICE
     assert by_class[IncidentClass.FAIL_STOP].follows is FollowsKind.INCONCLUSIVE  # rank 2 never moved
+    assert by_class[IncidentClass.FAIL_STOP].reshuffle  # moving ranks is what tells device from rank
+    assert not by_class[IncidentClass.STRAGGLER].reshuffle and not by_class[IncidentClass.IMBALANCE].reshuffle
     assert by_class[IncidentClass.IMBALANCE].occurrences == 0
     assert by_class[IncidentClass.IMBALANCE].follows is FollowsKind.INCONCLUSIVE
     assert localize([]) == ()

@@ -4,6 +4,7 @@ apply step against a fake launcher: evidence, quarantine list and lineage, retir
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,44 @@ def test_apply_quarantine_writes_the_list_and_lineage_once(tmp_path: Path) -> No
     assert entry.kind is LineageKind.DEVICE_QUARANTINED and entry.details.subject == "host:host1"
     assert (cfg.run_dir / QUARANTINE_FILE).exists()
     assert sorted(p.name for p in (cfg.run_dir / RECOVERY_DIR).iterdir()) == ["recovery-0001.json", "recovery-0002.json"]
+
+
+def test_a_reshuffle_rotates_ranks_so_another_rank_holds_each_suspect_device(tmp_path: Path) -> None:
+    from rankwatch.trainer.canary import placement
+    from rankwatch.trainer.manager import reshuffled
+
+    cfg = CanaryConfig(run_dir=tmp_path / "run", steps=10, layout=Layout.parse("dp=4", nproc=4), hosts=2,
+                       slots_per_host=3)
+    cfg.run_dir.mkdir()
+    before = placement(cfg)
+    suspect = before[1][2]  # rank 1's GPU (host0 slot 1)
+    said: list[str] = []
+    moved = reshuffled(cfg.run_dir, cfg, [suspect], say=said.append)
+    after = placement(moved)
+    assert moved.device_shift == 1 and after[0][2] == suspect  # rank 0 now on it: the next failure tells
+    assert all(after[r][2] != before[r][2] for r in before) and "rotated by 1" in said[0]
+    entries = read(lineage_path(cfg.run_dir))
+    assert [e.kind for e in entries] == [LineageKind.DEVICE_REPLACED] * 4 and verify(lineage_path(cfg.run_dir)).ok
+    assert {e.details.old_device for e in entries} == {u for _, _, u in before.values()}
+    # a rotation that would put a rank on a quarantined device is passed over; none left: placed as before, said
+    (cfg.run_dir / QUARANTINE_FILE).write_text(json.dumps({"entries": [
+        {"kind": "device", "id": placement(replace(cfg, device_shift=1))[1][2]},
+        {"kind": "device", "id": placement(replace(cfg, device_shift=2))[0][2]}]}))
+    assert reshuffled(cfg.run_dir, cfg, [suspect], say=said.append) is cfg and "placed as before" in said[-1]
+
+
+def test_a_crash_loop_is_refused_after_too_many_failed_relaunches_in_a_row(tmp_path: Path) -> None:
+    cfg = _run(tmp_path, (4, 9))
+    plan = plan_recovery([_inc(IncidentClass.FAIL_STOP)], job=CANARY, catalog=CATALOG)
+    launcher = FakeLauncher(ok=False)
+    outcomes = [apply(cfg, plan, launcher=launcher, max_failed_relaunches=2).outcome for _ in range(3)]
+    assert outcomes == ["relaunch_failed", "relaunch_failed", "relaunch_refused"] and len(launcher.calls) == 2
+    doc = json.loads((cfg.run_dir / RECOVERY_DIR / "recovery-0003.json").read_text())
+    assert doc["refused"].startswith("crash loop: the last 2 relaunches failed")
+    # a relaunch that worked breaks the run of failures
+    ok = FakeLauncher()
+    assert apply(cfg, plan, launcher=ok).outcome == "recovered"  # the refused record is not a failed relaunch
+    assert apply(cfg, plan, launcher=FakeLauncher(ok=False), max_failed_relaunches=1).outcome == "relaunch_failed"
 
 
 def test_config_from_run_keeps_the_machines_faults_and_drops_the_attempts(tmp_path: Path) -> None:
