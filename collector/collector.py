@@ -1013,6 +1013,10 @@ class Collector:
         self._append(Table.GPU, sample.row(rank=self.rank, step=step))
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if self._closed:
+            # closing on its own already (an exception, the end), interrupted here: returning lets that close
+            # finish its flush, and the process exits right after it; a hung close meets the launcher's SIGKILL
+            return
         self._live_signal = signum
         self.event(EventKind.SIGNAL, signal_number=signum, message=signal.Signals(signum).name)
         self.close(exit_code=128 + signum)

@@ -218,6 +218,39 @@ def test_sigterm_records_signal_and_flushes(tmp_path: Path) -> None:
     assert list((tmp_path / "telemetry" / "steps" / "rank=3").glob("part-*.parquet"))
 
 
+def test_a_sigterm_while_closing_on_its_own_lets_the_close_finish(tmp_path: Path) -> None:
+    """A rank that raised is closing (its exception recorded) when the manager's stop SIGTERMs it: the close it is in
+    finishes and flushes — the exception stays its last word — instead of the signal ending it mid-flush."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        from rankwatch.collector import Collector, CollectorConfig
+        c = Collector(CollectorConfig(run_dir=Path({str(tmp_path)!r}), flush_interval_s=60), rank=3, world_size=4)
+        c.start()
+        with c.step(0):
+            pass
+        c.exception(RuntimeError("CUDA error: unspecified launch failure"))
+        flush = c.sink.close
+        def stopped_mid_close(**kw):
+            os.kill(os.getpid(), signal.SIGTERM)  # the manager's stop, while the sink has not flushed yet
+            time.sleep(0.2)
+            flush(**kw)
+        c.sink.close = stopped_mid_close
+        c.close(exit_code=1)
+        print("closed", flush=True)
+        os._exit(1)
+        """
+    )
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "closed"
+        assert proc.wait(timeout=30) == 1
+    parts = sorted((tmp_path / "telemetry" / "events" / "rank=3").glob("part-*.parquet"))
+    events = sorted((e for p in parts for e in pq.read_table(p).to_pylist()), key=lambda e: e["wall_ns"])
+    kinds = [e["kind"] for e in events]
+    assert EventKind.EXCEPTION in kinds and EventKind.SIGNAL not in kinds and kinds[-1] == EventKind.EXIT
+
+
 def test_device_rows_are_resolved_later_without_waiting(tmp_path: Path) -> None:
     from rankwatch.collector import FakeDeviceTimer
 
