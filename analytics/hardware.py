@@ -164,8 +164,9 @@ def _attribute(inc: Incident, frames: Frames, errors: pl.DataFrame, rising: dict
     evidence: list[Evidence] = []
     cause = inc.cause
     if inc.klass is IncidentClass.STRAGGLER and inc.cause not in _NOT_THE_DEVICE:
-        slow_signals, slow_cause, ev = _slowdown_evidence(rank, anchor, frames, config)
+        slow_signals, slow_cause, ev, on = _slowdown_evidence(rank, anchor, frames, config)
         signals += slow_signals
+        device = on or device  # the GPU the slow steps ran on (a relaunch may have moved the rank since)
         if ev is not None:
             evidence.append(ev)
         if slow_cause is not None and inc.cause in (Cause.UNKNOWN, Cause.DEVICE_SLOW):
@@ -187,12 +188,14 @@ def _attribute(inc: Incident, frames: Frames, errors: pl.DataFrame, rising: dict
     )
 
 
-def _slowdown_evidence(rank: int, onset: int, frames: Frames,
-                       config: HardwareConfig) -> tuple[list[HardwareSignal], Cause | None, Evidence | None]:
-    """CLOCK_LOSS / THROTTLE over the straggler's slow steps from `onset` on, and the throttle cause."""
+def _slowdown_evidence(rank: int, onset: int, frames: Frames, config: HardwareConfig
+                       ) -> tuple[list[HardwareSignal], Cause | None, Evidence | None, str | None]:
+    """CLOCK_LOSS / THROTTLE over the straggler's slow steps from `onset` on, the throttle cause, and the device the
+    rank's samples of those steps came from (the most samples showing the signals: in a relaunched run one step
+    number can have run on two devices)."""
     slow = _slow_steps(rank, onset, frames, config)
     if slow.height == 0:
-        return [], None, None
+        return [], None, None, None
     g = frames.gpu.filter(pl.col(_S).is_in(slow.get_column(_S).implode())).with_columns(
         (pl.col(Gpu.SM_CLOCK_MHZ.value) / pl.col(Gpu.SM_CLOCK_MAX_MHZ.value)).alias("rel"),
         ((pl.col(Gpu.THROTTLE_REASONS.value).fill_null(0) & int(SLOWDOWN_REASONS)) != 0).alias("bits"),
@@ -202,7 +205,7 @@ def _slowdown_evidence(rank: int, onset: int, frames: Frames,
         pl.col("rel").median().alias("peer_rel"), pl.col("bits").mean().alias("peer_bits"))
     rows = own.join(peers, on=_S, how="inner").join(slow, on=_S, how="inner").sort(_S)
     if rows.height == 0:
-        return [], None, None
+        return [], None, None, None
     bits_share = float(rows.get_column("bits").mean()) - float(rows.get_column("peer_bits").mean())  # type: ignore[arg-type]
     throttled = bits_share >= config.throttle_share
     clocks = rows.filter(pl.col("rel").is_not_null() & pl.col("peer_rel").is_not_null() & (pl.col("rel") > 0))
@@ -214,13 +217,13 @@ def _slowdown_evidence(rank: int, onset: int, frames: Frames,
         implied = float((lost["peer_rel"] / lost["rel"] - 1).median()) if lost.height else 0.0  # type: ignore[arg-type]
         observed = float(clocks.get_column("excess").median())  # type: ignore[arg-type]
         if share < config.clock_share or implied < config.clock_match * observed:
-            return [], None, None
+            return [], None, None, None
         signals.append(HardwareSignal.CLOCK_LOSS)
         drop = float((lost["peer_rel"] - lost["rel"]).median())  # type: ignore[arg-type]
         note = (f"SM clock {drop:.0%} of max below the other devices' on {lost.height}/{clocks.height} slow steps "
                 f"(implies {implied:.0%} slower, observed {observed:.0%})")
     elif not throttled:
-        return [], None, None
+        return [], None, None, None
     cause = None
     if throttled:
         signals.append(HardwareSignal.THROTTLE)
@@ -234,7 +237,9 @@ def _slowdown_evidence(rank: int, onset: int, frames: Frames,
         rows=tuple((rank, int(s), round(float(x), 4), _round(r), _round(p), int(b or 0)) for s, x, r, p, b in rows.select(
             _S, "excess", "rel", "peer_rel", Gpu.THROTTLE_REASONS.value).head(20).iter_rows()),
     )
-    return signals, cause, ev
+    showing = rows.filter(pl.col("bits") | (pl.col("peer_rel") - pl.col("rel") >= config.clock_loss))
+    devs = (showing if showing.height else rows).get_column(_DEV).drop_nulls()
+    return signals, cause, ev, (str(devs.mode().sort()[0]) if devs.len() else None)
 
 
 def _slow_steps(rank: int, onset: int, frames: Frames, config: HardwareConfig) -> pl.DataFrame:

@@ -72,7 +72,7 @@ from rankwatch.trainer.canary import CanaryConfig
 from rankwatch.trainer.launch import LaunchResult, launch
 from rankwatch.trainer.manager import (
     RECOVERY_DIR, RecoveryPlan, apply, assess, canary_declaration, catalog_view, config_from_run, place_off_quarantine,
-    plan_recovery,
+    plan_recovery, quarantined,
 )
 from rankwatch.trainer.runfile import read_launches
 
@@ -725,6 +725,10 @@ class Manager:
                 plan = replace(plan, action=Action.QUARANTINE if plan.quarantines else Action.OBSERVE, checkpoint=None)
             if not plan.quarantines:
                 return "observed: the manager's policy finds nothing to quarantine", None
+            listed = {(str(e.get("kind")), str(e.get("id"))) for e in quarantined(self.run_dir)}
+            if all((str(t.kind), t.id) in listed for t, _ in plan.quarantines):
+                return (f"observed: {', '.join(str(t) for t, _ in plan.quarantines)} quarantined already",
+                        _covering(self.run_dir, message.incident.id))
             rec = apply(cfg, plan, launcher=self._no_launch)
             return rec.outcome, rec.id
         latest = len(read_launches(self.run_dir, missing_ok=True)) - 1

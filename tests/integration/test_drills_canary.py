@@ -45,3 +45,21 @@ def test_a_state_drill_and_a_checkpoint_drill_roll_back_past_what_holds_the_faul
     assert shard.detected == f"fail_stop rank:{VICTIM}" and shard.resume_from == "step-00000019", shard
     # the damaged step-29 checkpoint was passed over and retired (as evidence), not resumed from
     assert "step-00000029 -> .retired-step-00000029-" in shard.reason and shard.bitwise is True and shard.passed, shard
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.filterwarnings("ignore:Comparisons with None always result in null:UserWarning")
+def test_a_partitioned_rank_and_a_device_failing_under_other_ranks_are_each_named_and_recovered(tmp_path: Path) -> None:
+    # partition: every connection of rank 1 destroyed from outside, every rank's collective fails at once: named by
+    # its own end's error (cause network), not the job; failing_device: a GPU failing under whichever rank sits on
+    # it, every attempt: rotated, localized to the device across the attempts, quarantined, placed off
+    cut, dev = run_drills(["partition", "failing_device"], tmp_path, say=lambda _: None)
+    assert cut.detected == f"fail_stop rank:{VICTIM}" and cut.bitwise is True and cut.passed, cut
+    assert dev.attempts == 4 and dev.recovery is not None and dev.recovery.startswith("recovery-0003"), dev
+    assert dev.bitwise is True and dev.passed, dev
+    run = Path(dev.run_dir)
+    records = [json.loads(p.read_text()) for p in sorted((run / "recovery").glob("recovery-*.json"))]
+    assert [bool(r["reshuffle"]) for r in records] == [False, True, False]
+    assert [r["quarantined"] for r in records][-1] and "recurrence=device" in records[-1]["decisions"][0]["path"]
+    shifts = [launch["device_shift"] for launch in json.loads((run / "run.json").read_text())["launches"]]
+    assert shifts == [0, 0, 1, 2]

@@ -88,6 +88,20 @@ def test_a_throttled_straggler_with_clock_loss_is_a_device_fault_of_its_gpu() ->
     assert ev.source == "gpu" and "clock" in ev.summary and ev.rows
 
 
+def test_the_device_named_is_the_one_the_slow_steps_ran_on_not_where_a_relaunch_put_the_rank() -> None:
+    """The bad_device drill: rank 5 was slow on its GPU; a relaunch moved it to a spare (the topology's latest row
+    and its newest GPU samples say GPU-spare), and the post-hoc reading still sees the old slow steps. The device is
+    the one that ran them."""
+    frames = _frames(slow={5: 0.25}, clock={5: 0.80}, bits={5: THERMAL})
+    later = pl.DataFrame([{**frames.gpu.row(0, named=True), "rank": 5, "device_uuid": "GPU-spare", "step": STEPS,
+                           "throttle_reasons": 0, "sm_clock_mhz": MAX_MHZ}])
+    moved = Frames.build(topology=frames.topology.with_columns(
+        pl.when(pl.col("rank") == 5).then(pl.lit("GPU-spare")).otherwise(pl.col("device_uuid")).alias("device_uuid")),
+        steps=frames.steps, gpu=pl.concat([frames.gpu, later], how="diagonal_relaxed"))
+    (inc,) = attribute_device_faults(moved, [_straggler(5)])
+    assert inc.subject == Subject(kind=SubjectKind.DEVICE, id=_uuid(5)) and inc.device_fault
+
+
 def test_clock_loss_without_throttle_bits_is_evidence_enough() -> None:
     (inc,) = attribute_device_faults(_frames(slow={2: 0.4}, clock={2: 0.7}), [_straggler(2, Cause.DEVICE_SLOW)])
     assert inc.hardware == (HW.CLOCK_LOSS,) and inc.cause is Cause.DEVICE_SLOW

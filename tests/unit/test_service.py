@@ -270,6 +270,12 @@ def test_a_quarantine_decision_applies_it_and_leaves_the_job_running(
     assert s["last_decision"]["outcome"] == "quarantined" and s["job"]["state"] == JobState.RUNNING
     assert [(e["kind"], e["id"]) for e in quarantined(run_dir)] == [("device", "GPU-aa")]
     assert len(fake.calls) == 1
+    # the same device again (another reading of the fault, after a relaunch): nothing new, no second record
+    again = contract_body(run_dir, incident(IncidentClass.STRAGGLER, device="GPU-aa", attempt=1), action="quarantine")
+    assert post(svc, "/alerts", again, signed(again))[0] == 202
+    s = decided(svc, 2)
+    assert s["last_decision"]["outcome"] == "observed: device:GPU-aa quarantined already"
+    assert len(list((run_dir / RECOVERY_DIR).glob("recovery-*.json"))) == 1
 
 
 def test_an_observe_decision_is_only_recorded(running: tuple[ManagerService, FakeLauncher], run_dir: Path) -> None:
