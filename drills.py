@@ -719,8 +719,11 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
         if not ended and st["attempts"] and st["attempts"][0]["exit_codes"] is not None:
             ended.append(time.time_ns())  # the fault's attempt is over (every rank gone): the job stopped
         # a fault that recurs fails attempts on the way: only the job's end counts
+        # and a relaunching drill ends relaunched: the decision about a kill may not have reached the service yet when
+        # the one before it (bad_device's quarantine) is done and the killed attempt already over
+        decision = (st["last_decision"] or {}).get("state")
         return st["job"]["state"] in (("finished",) if spec.recurs else ("finished", "failed")) and (
-            not spec.relaunch or (st["last_decision"] or {}).get("state") in ("done", "failed"))
+            not spec.relaunch or decision == "failed" or decision == "done" and len(st["attempts"]) >= 2 + spec.recurs)
 
     _wait(over, 240 + 150 * spec.recurs, "the job finished", failed)
     if spec.relaunch and ended:
