@@ -104,12 +104,12 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
 
     `onset_step` = `detection_step` = the culprit's last completed step + 1 (a fail-stop is known as soon as peers
     block on it); for the job, the newest step in progress."""
-    live = _liveness(frames)
+    start = _attempt_start(frames)
+    live = _liveness(frames, start)
     if live.height == 0:
         return ()
     now = frames.end_wall_ns
     stall, block = _stall_ns(frames, config), _block_ns(frames, config)
-    start = _attempt_start(frames)
     events = _latest_attempt_events(frames)
     terminal = events.filter(pl.col("kind").is_in(_TERMINAL))
     abnormal = terminal.filter(
@@ -138,7 +138,7 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
             ("events", lambda: _by_events(frames, abnormal, errors, named, blocked, silent, world, config)),
             ("wait graph", lambda: _by_wait_graph(blocked, reached, silent, frames.clock is Clock.DEVICE)),
             ("silence", lambda: silent),
-            ("position", lambda: _by_position(frames, events, stall) if stalled else set()),
+            ("position", lambda: _by_position(frames, live, events, stall) if stalled else set()),
         )
         for method, rule in rules:
             culprits = rule()
@@ -146,8 +146,9 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
                 break
     if not culprits:
         # a job still starting that ends mid-operation is starting, not killed (its exits and signals still count)
-        job = _job_stop(frames, start, terminal, abnormal, world, replace(config, run_over=False) if starting else config)
-        return (_job_incident(frames, job, events, config),) if job is not None else ()
+        job = _job_stop(frames, live, start, terminal, abnormal, world,
+                        replace(config, run_over=False) if starting else config)
+        return (_job_incident(frames, live, job, events, config),) if job is not None else ()
     confidence = {"events": config.event_confidence, "named by peers": config.event_confidence,
                   "own transport": config.event_confidence,
                   "wait graph": config.graph_confidence}.get(method, config.fallback_confidence)
@@ -172,10 +173,11 @@ def _block_ns(frames: Frames, config: FailStopConfig) -> int:
     return int(max(frames.heartbeat_interval_ns, config.stall_step_factor * step_ns))
 
 
-def _liveness(frames: Frames) -> pl.DataFrame:
-    """`frames.liveness` with each rank's last progress no earlier than its latest attempt's start: a relaunched rank
-    still loading its checkpoint has not stopped at the step its previous incarnation last completed."""
-    live, start = frames.liveness, _attempt_start(frames)
+def _liveness(frames: Frames, start: pl.DataFrame) -> pl.DataFrame:
+    """`frames.liveness` with each rank's last progress no earlier than its latest attempt's start (`start`:
+    `_attempt_start`): a relaunched rank still loading its checkpoint has not stopped at the step its previous
+    incarnation last completed."""
+    live = frames.liveness
     if not live.height or not start.height:
         return live
     end = pl.col("last_step_end_wall_ns")
@@ -322,16 +324,20 @@ def _stuck_by_order(edges: pl.DataFrame, entered: pl.DataFrame) -> set[int]:
     return out
 
 
-def _named_peers(events: pl.DataFrame, errors: pl.DataFrame, world: int) -> pl.DataFrame:
-    """(reporter, named, wall_ns): a rank named in another rank's exception or collective error message."""
-    msgs = pl.concat([
+def _messages(events: pl.DataFrame, errors: pl.DataFrame) -> pl.DataFrame:
+    """(reporter, wall_ns, message): every rank's exception and collective error messages."""
+    return pl.concat([
         events.filter((pl.col("kind") == str(EventKind.EXCEPTION)) & pl.col("message").is_not_null())
         .select(pl.col("rank").alias("reporter"), "wall_ns", "message"),
         errors.filter(pl.col("error").is_not_null())
         .select(pl.col("rank").alias("reporter"), pl.col("exit_wall_ns").alias("wall_ns"), pl.col("error").alias("message")),
     ])
+
+
+def _named_peers(events: pl.DataFrame, errors: pl.DataFrame, world: int) -> pl.DataFrame:
+    """(reporter, named, wall_ns): a rank named in another rank's exception or collective error message."""
     out = (
-        msgs.with_columns(pl.col("message").str.extract_all(_NAMED_RANK).alias("named"))
+        _messages(events, errors).with_columns(pl.col("message").str.extract_all(_NAMED_RANK).alias("named"))
         .explode("named")
         .with_columns(pl.col("named").str.extract(r"(\d+)$", 1).cast(pl.Int64))
         .filter(pl.col("named").is_not_null() & (pl.col("named") != pl.col("reporter")) & (pl.col("named") < world))
@@ -393,11 +399,9 @@ def _by_named(named: pl.DataFrame) -> set[int]:
 
 def _by_transport(events: pl.DataFrame, errors: pl.DataFrame) -> set[int]:
     """The ranks whose own connections failed while their peers saw them go (analytics.transport.partitioned), from
-    each rank's exception and collective error messages."""
+    each rank's exception and collective error messages (`_messages`)."""
     msgs: dict[int, list[str | None]] = {}
-    for r, m in events.filter(pl.col("kind") == str(EventKind.EXCEPTION)).select("rank", "message").iter_rows():
-        msgs.setdefault(int(r), []).append(m)
-    for r, m in errors.select("rank", "error").iter_rows():
+    for r, m in _messages(events, errors).select("reporter", "message").iter_rows():
         msgs.setdefault(int(r), []).append(m)
     return partitioned(msgs)
 
@@ -502,12 +506,11 @@ def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame, silent: set[int], 
 
 
 
-def _by_position(frames: Frames, events: pl.DataFrame, stall: int) -> set[int]:
+def _by_position(frames: Frames, live: pl.DataFrame, events: pl.DataFrame, stall: int) -> set[int]:
     """In a job that stalled everywhere (`_stalled`) with no collective blocked on the host (a CUDA job: host
     threads wait at a sync point), the ranks not where the others are: behind every other rank of their pipeline
     stage in completed steps; else a few ranks (at most a quarter) whose latest event, written while stalled, is in
     another step or phase than the one most ranks are stalled in."""
-    live = _liveness(frames)
     stage = frames.topology.select("rank", pl.col("pp").fill_null(0).alias("_pp")).unique("rank")
     by_stage = (
         live.join(stage, on="rank", how="left").with_columns(pl.col("_pp").fill_null(0))
@@ -534,12 +537,11 @@ def _by_position(frames: Frames, events: pl.DataFrame, stall: int) -> set[int]:
     return set(int(r) for r in odd["rank"])
 
 
-def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnormal: pl.DataFrame, world: int,
-              config: FailStopConfig) -> tuple[Cause, str, int | None] | None:
+def _job_stop(frames: Frames, live: pl.DataFrame, start: pl.DataFrame, terminal: pl.DataFrame, abnormal: pl.DataFrame,
+              world: int, config: FailStopConfig) -> tuple[Cause, str, int | None] | None:
     """How the job itself stopped, when it stopped abnormally at once: a signal or abnormal exit on more than half
     the ranks within `job_window_heartbeats`; or (`run_over`) no terminal event anywhere and telemetry that ends
     mid-step (an operation open, a heartbeat in a step never completed, or ranks at different last steps)."""
-    live = _liveness(frames)
     if abnormal.height:
         firsts = abnormal.group_by("rank").agg(pl.col("wall_ns").min().alias("t"), pl.col("kind"))
         t0 = int(firsts["t"].min())  # type: ignore[arg-type]
@@ -572,10 +574,9 @@ def _job_stop(frames: Frames, start: pl.DataFrame, terminal: pl.DataFrame, abnor
 
 # -- incidents ---------------------------------------------------------------------------------------------------------
 
-def _job_incident(frames: Frames, job: tuple[Cause, str, int | None], events: pl.DataFrame,
+def _job_incident(frames: Frames, live: pl.DataFrame, job: tuple[Cause, str, int | None], events: pl.DataFrame,
                   config: FailStopConfig) -> Incident:
     cause, how, attempt = job
-    live = _liveness(frames)
     ranks = tuple(sorted(int(r) for r in live["rank"]))
     onset = int(live["last_step"].max()) + 1  # type: ignore[arg-type]
     evidence = [Evidence(

@@ -253,14 +253,20 @@ def _launches(run_dir: Path) -> list[dict[str, Any]]:
     return launches
 
 
-def _handled(run_dir: Path) -> set[str]:
-    ids: set[str] = set()
-    for rec in sorted((run_dir / RECOVERY_DIR).glob("recovery-*.json")):
+def _records(run_dir: Path, read: Callable[[dict[str, Any]], Any]) -> list[Any]:
+    """`read` of every recovery record of the run, oldest first. ValueError naming the record that is unreadable or
+    lacks what `read` takes from it."""
+    out = []
+    for rec in sorted((Path(run_dir) / RECOVERY_DIR).glob("recovery-*.json")):
         try:
-            ids.update(json.loads(rec.read_text())["incidents"])
+            out.append(read(json.loads(rec.read_text())))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{rec}: unreadable recovery record ({type(exc).__name__}: {exc})") from None
-    return ids
+    return out
+
+
+def _handled(run_dir: Path) -> set[str]:
+    return {i for ids in _records(run_dir, lambda doc: doc["incidents"]) for i in ids}
 
 
 def assess(
@@ -308,12 +314,9 @@ def localize_attempts(run_dir: Path, incidents: Sequence[Incident]) -> tuple[Loc
     numbers. Incidents without an attempt are left out."""
     run_dir = Path(run_dir)
     seen: dict[str, Incident] = {}
-    for rec in sorted((run_dir / RECOVERY_DIR).glob("recovery-*.json")):
-        try:
-            docs = [d["incident_doc"] for d in json.loads(rec.read_text())["decisions"] if "incident_doc" in d]
-            seen.update((i.id, i) for i in (Incident.from_dict(doc) for doc in docs))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{rec}: unreadable recovery record ({type(exc).__name__}: {exc})") from None
+    for kept in _records(run_dir, lambda doc: [Incident.from_dict(d["incident_doc"]) for d in doc["decisions"]
+                                               if "incident_doc" in d]):
+        seen.update((i.id, i) for i in kept)
     seen.update((i.id, i) for i in incidents)
     by_attempt: dict[int, list[Incident]] = {}
     for inc in seen.values():
@@ -372,11 +375,7 @@ every attempt and that nothing localized is a crash loop, and a person must look
 def _failed_in_a_row(run_dir: Path) -> int:
     """How many of the latest recovery records, in a row, relaunched and failed."""
     n = 0
-    for rec in sorted((run_dir / RECOVERY_DIR).glob("recovery-*.json"), reverse=True):
-        try:
-            outcome = json.loads(rec.read_text())["outcome"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{rec}: unreadable recovery record ({type(exc).__name__}: {exc})") from None
+    for outcome in reversed(_records(run_dir, lambda doc: doc["outcome"])):
         if outcome != Outcome.RELAUNCH_FAILED:
             break
         n += 1
@@ -608,7 +607,8 @@ def _record_json(r: RecoveryRecord) -> dict[str, Any]:
         "checkpoint": None if p.checkpoint is None else p.checkpoint.id,
         "decisions": [{
             "incident": d.incident.id, "class": str(d.incident.klass), "subject": str(d.incident.subject),
-            "incident_doc": d.incident.to_dict(), "action": str(d.decision.action), "target": None if d.decision.target is None else str(d.decision.target),
+            "incident_doc": d.incident.to_dict(), "action": str(d.decision.action),
+            "target": None if d.decision.target is None else str(d.decision.target),
             "path": list(d.decision.path), "reasons": list(d.decision.reasons),
             "lineage": {"comparability": str(d.decision.lineage.comparability),
                         "changed": [str(c) for c in d.decision.lineage.changed]},

@@ -192,36 +192,9 @@ def test_config_validation() -> None:
         CollectorConfig(run_dir=Path("."), max_pending_steps=1)
 
 
-@pytest.mark.timeout(60)
-def test_sigterm_records_signal_and_flushes(tmp_path: Path) -> None:
-    script = textwrap.dedent(
-        f"""
-        import sys, time
-        from pathlib import Path
-        from rankwatch.collector import Collector, CollectorConfig
-        c = Collector(CollectorConfig(run_dir=Path({str(tmp_path)!r}), flush_interval_s=60), rank=3, world_size=4)
-        c.start()
-        with c.step(0):
-            pass
-        print("ready", flush=True)
-        time.sleep(60)
-        """
-    )
-    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as proc:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=30) == -signal.SIGTERM
-    events = pq.read_table(next((tmp_path / "telemetry" / "events" / "rank=3").glob("part-*.parquet"))).to_pylist()
-    kinds = [e["kind"] for e in events]
-    assert EventKind.SIGNAL in kinds and kinds[-1] == EventKind.EXIT
-    assert [e["signal"] for e in events if e["kind"] == EventKind.SIGNAL] == [signal.SIGTERM]
-    assert list((tmp_path / "telemetry" / "steps" / "rank=3").glob("part-*.parquet"))
-
-
-def test_a_sigterm_while_closing_on_its_own_lets_the_close_finish(tmp_path: Path) -> None:
-    """A rank that raised is closing (its exception recorded) when the manager's stop SIGTERMs it: the close it is in
-    finishes and flushes — the exception stays its last word — instead of the signal ending it mid-flush."""
-    script = textwrap.dedent(
+def _rank3_after_a_step(tmp_path: Path, then: str) -> str:
+    """A script: rank 3's collector started on `tmp_path` (part files only at close), one step, then `then`."""
+    return textwrap.dedent(
         f"""
         import os, signal, sys, time
         from pathlib import Path
@@ -230,6 +203,37 @@ def test_a_sigterm_while_closing_on_its_own_lets_the_close_finish(tmp_path: Path
         c.start()
         with c.step(0):
             pass
+        """
+    ) + textwrap.dedent(then)
+
+
+def _rank3_events(tmp_path: Path) -> list[dict[str, object]]:
+    parts = sorted((tmp_path / "telemetry" / "events" / "rank=3").glob("part-*.parquet"))
+    return sorted((e for p in parts for e in pq.read_table(p).to_pylist()), key=lambda e: e["wall_ns"])
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_records_signal_and_flushes(tmp_path: Path) -> None:
+    script = _rank3_after_a_step(tmp_path, """
+        print("ready", flush=True)
+        time.sleep(60)
+        """)
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    events = _rank3_events(tmp_path)
+    kinds = [e["kind"] for e in events]
+    assert EventKind.SIGNAL in kinds and kinds[-1] == EventKind.EXIT
+    assert [e["signal"] for e in events if e["kind"] == EventKind.SIGNAL] == [signal.SIGTERM]
+    assert list((tmp_path / "telemetry" / "steps" / "rank=3").glob("part-*.parquet"))
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_while_closing_on_its_own_lets_the_close_finish(tmp_path: Path) -> None:
+    """A rank that raised is closing (its exception recorded) when the manager's stop SIGTERMs it: the close it is in
+    finishes and flushes — the exception stays its last word — instead of the signal ending it mid-flush."""
+    script = _rank3_after_a_step(tmp_path, """
         c.exception(RuntimeError("CUDA error: unspecified launch failure"))
         flush = c.sink.close
         def stopped_mid_close(**kw):
@@ -240,14 +244,11 @@ def test_a_sigterm_while_closing_on_its_own_lets_the_close_finish(tmp_path: Path
         c.close(exit_code=1)
         print("closed", flush=True)
         os._exit(1)
-        """
-    )
+        """)
     with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "closed"
         assert proc.wait(timeout=30) == 1
-    parts = sorted((tmp_path / "telemetry" / "events" / "rank=3").glob("part-*.parquet"))
-    events = sorted((e for p in parts for e in pq.read_table(p).to_pylist()), key=lambda e: e["wall_ns"])
-    kinds = [e["kind"] for e in events]
+    kinds = [e["kind"] for e in _rank3_events(tmp_path)]
     assert EventKind.EXCEPTION in kinds and EventKind.SIGNAL not in kinds and kinds[-1] == EventKind.EXIT
 
 
