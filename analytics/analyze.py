@@ -29,6 +29,7 @@ from rankwatch.analytics.store import attach, check_store, materialize, open_run
 from rankwatch.analytics.straggler import detect_stragglers
 from rankwatch.analytics.transient import detect_transient_stalls
 from rankwatch.analytics.validate import read_error
+from rankwatch.analytics.views import RunViews, build_views, write_views
 from rankwatch.collector.schema import Table
 
 ANALYSIS_DIR = "analysis"
@@ -40,6 +41,9 @@ class AnalysisConfig:
     """Analyze only the latest this many steps (a live window); None = the whole run."""
     anomaly: bool = True
     """Run the anomaly model over what no detector explained."""
+    views: bool = False
+    """Also build the views people look at (`analytics.views`: the dashboard's and the post-mortem's frames) from
+    the frames the analysis loaded; `write_analysis` stores them."""
 
     def __post_init__(self) -> None:
         if self.window_steps is not None and self.window_steps < 1:
@@ -58,6 +62,8 @@ class Analysis:
     naming it."""
     seconds: tuple[tuple[str, float], ...]
     """Wall seconds per stage, in order."""
+    views: RunViews | None = None
+    """With `AnalysisConfig.views`: what the dashboard and the post-mortem draw."""
 
 
 Progress = Callable[[str], None]
@@ -163,10 +169,19 @@ def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), p
     _collect(warnings)
     progress(f"loaded {frames.steps.height} step rows from {frames.world_size} ranks")
     incidents = detect_all(frames, anomaly=config.anomaly, progress=progress, timings=timings)
+    views = None
+    if config.views:
+        t0 = time.perf_counter()
+        progress("building views")
+        try:
+            views = build_views(frames, incidents, run_dir=run, warnings=warnings, since_step=since, con=store.con)
+        except duckdb.Error as exc:
+            raise read_error(exc, telemetry_dir(run)) from None
+        timings.append(("views", time.perf_counter() - t0))
     return Analysis(
         run_dir=run, incidents=incidents, ranks=frames.world_size, first_step=frames.first_step,
         last_step=frames.last_step,
-        warnings=warnings, seconds=tuple(timings),
+        warnings=warnings, seconds=tuple(timings), views=views,
     )
 
 
@@ -184,7 +199,12 @@ def observe_run(run_dir: Path | str, *, progress: Progress = _quiet) -> RunObser
 
 
 def write_analysis(analysis: Analysis) -> tuple[Path, Path]:
-    return write_incidents(analysis.incidents, analysis.run_dir / ANALYSIS_DIR)
+    """The incidents into `<run>/analysis/` (and the views, when the analysis built them, under
+    `<run>/analysis/views/`)."""
+    saved = write_incidents(analysis.incidents, analysis.run_dir / ANALYSIS_DIR)
+    if analysis.views is not None:
+        write_views(analysis.views)
+    return saved
 
 
 def _ranks_text(ranks: tuple[int, ...], limit: int = 6) -> str:

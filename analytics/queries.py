@@ -503,7 +503,11 @@ def link_bandwidth(con: duckdb.DuckDBPyConnection, since_step: int | None = None
     """Per inter-host link and group kind: effective bandwidth (Gbit/s) over the window, median per-step transfer
     time, and how it compares with the other links of the same group kind (1.0 = the median link). On the device
     clock (`run_clock`) from the operations' device time."""
-    df = links(con, since_step, run_clock(con, clock, since_step)[0])
+    return link_table(links(con, since_step, run_clock(con, clock, since_step)[0]))
+
+
+def link_table(df: pl.DataFrame) -> pl.DataFrame:
+    """`link_bandwidth` of a loaded `links` frame (empty in, empty out)."""
     if df.height == 0:
         return df
     per = df.group_by("link", "kind").agg(
@@ -516,7 +520,11 @@ def link_bandwidth(con: duckdb.DuckDBPyConnection, since_step: int | None = None
 def gpu_vs_peers(con: duckdb.DuckDBPyConnection, since_step: int | None = None) -> pl.DataFrame:
     """Per rank: its GPU's median SM clock, power and temperature against the median of all GPUs, the share of
     steps with a slowdown throttle bit set, and new ECC double-bit errors, PCIe replays and XIDs in the window."""
-    g = gpu(con, since_step)
+    return gpu_peer_table(gpu(con, since_step))
+
+
+def gpu_peer_table(g: pl.DataFrame) -> pl.DataFrame:
+    """`gpu_vs_peers` of a loaded `gpu` frame (empty in, empty out)."""
     if g.height == 0:
         return pl.DataFrame()
     from rankwatch.collector.schema import SLOWDOWN_REASONS

@@ -48,6 +48,7 @@ from rankwatch.analytics.localize import FollowsKind, Localization, RunObservati
 from rankwatch.analytics.queries import attempt_topology, groups
 from rankwatch.analytics.store import open_run, telemetry_dir
 from rankwatch.analytics.validate import read_error
+from rankwatch.analytics.views import DRY_RUN_FILE
 from rankwatch.analytics.recovery import (
     Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, Idempotency, MembershipSupport,
     RecurrenceView, ScopeKind, Target, TargetKind, decide,
@@ -69,7 +70,7 @@ from rankwatch.trainer.resume import last_completed_step
 __all__ = [
     "MAX_FAILED_RELAUNCHES", "QUARANTINE_FILE", "RECOVERY_DIR", "Decided", "JobDeclaration", "RecoveryPlan",
     "RecoveryRecord", "Supervised", "apply", "assess", "canary_declaration", "catalog_view", "config_from_run",
-    "localize_attempts", "place_off_quarantine", "plan_recovery", "quarantined", "recurrence_from", "reshuffled",
+    "localize_attempts", "place_off_quarantine", "plan_recovery", "write_plan", "quarantined", "recurrence_from", "reshuffled",
     "supervise",
 ]
 
@@ -577,6 +578,18 @@ def apply(
                             relaunch=result, outcome=str(outcome), refused=refused if plan.relaunch else "")
     _write_json(run_dir / RECOVERY_DIR / f"{rid}.json", _record_json(record))
     return record
+
+
+def write_plan(run_dir: Path, plan: RecoveryPlan) -> Path:
+    """Write a plan decided but not carried out to `<run>/recovery/dry-run.json` (`analytics.views.DRY_RUN_FILE`,
+    replacing the previous one), in a recovery record's shape with outcome `proposed`, for the dashboard and the
+    post-mortem: what the manager would do, and why. Never read as a recovery that happened (`_records` reads
+    `recovery-*.json` only)."""
+    doc = _record_json(RecoveryRecord(id="dry-run", plan=plan, evidence=(), quarantined=(), retired=(), relaunch=None,
+                                      outcome="proposed"))
+    path = Path(run_dir) / RECOVERY_DIR / DRY_RUN_FILE
+    _write_json(path, doc)
+    return path
 
 
 def replay_basis(plan: RecoveryPlan) -> int | None:

@@ -1,0 +1,181 @@
+"""The views people look at (analytics/views.py): built by the analysis, stored, read back, kept honest about
+stale or damaged input, and arranged (heatmap, collective progress, timeline, topology status) from real runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from rankwatch.analytics import views
+from rankwatch.analytics.errors import AnalyticsError, RunDirError
+from views_support import STRAGGLER, analyzed_run
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return analyzed_run(tmp_path_factory.mktemp("views") / "run")
+
+
+def test_the_analysis_stores_views_that_read_back_without_analysing_again(run: Path) -> None:
+    folder = views.views_dir(run)
+    manifest = (folder / views.MANIFEST).stat().st_mtime_ns
+    store = views.ensure_views(run)
+    assert store.folder == folder and (folder / views.MANIFEST).stat().st_mtime_ns == manifest
+    s = store.summary
+    assert (s.ranks, s.first_step, s.last_step, s.layout, s.hosts) == (16, 0, 299, {"dp": 4, "tp": 2, "pp": 2}, 4)
+    assert 0 < s.effective_s <= s.wall_s and 0 < s.goodput <= 1
+    assert not store.stale()
+    assert set(store.names) == set(views.FRAME_NAMES)
+    assert store.frame("rank_steps").height == 16 * 300
+    assert store.rank(STRAGGLER)["step"].to_list() == list(range(300))
+    progress = store.frame("progress")
+    assert progress.height == 16 and progress["last_step"].to_list() == [299] * 16
+    assert [str(i.subject) for i in store.incidents] == [f"rank:{STRAGGLER}"]
+
+
+def test_the_leaderboard_puts_the_straggler_first_with_its_incident(run: Path) -> None:
+    lb = views.ensure_views(run).frame("leaderboard")
+    top = lb.row(0, named=True)
+    assert top["rank"] == STRAGGLER and top["score"] > 1.2 and "straggler" in top["incidents"]
+    assert 0.5 < top["persistence"] <= 1 and lb["persistence"][1:].max() < 0.1  # type: ignore[operator]
+    assert top["arrived_last"] == lb["arrived_last"].max()
+
+
+def test_incidents_carry_the_decision_and_its_status(run: Path) -> None:
+    store = views.ensure_views(run)
+    decided = views.decisions(run)
+    assert decided["status"].to_list() == ["proposed"] and decided["path"][0].len() > 0
+    table = views.incident_table(store.incidents, decided, store.summary.start_wall_ns)
+    row = table.row(0, named=True)
+    assert row["subject"] == f"rank:{STRAGGLER}" and row["decision"] == "observe" and row["status"] == "proposed"
+    assert row["since_s"] is not None and 0 < row["since_s"] < store.summary.wall_s
+    undecided = views.incident_table(store.incidents, decided.clear(), 0)
+    assert undecided["decision"].to_list() == ["none"] and undecided["status"].to_list() == ["undecided"]
+
+
+def test_the_detail_shows_the_subject_against_its_peers_around_the_onset(run: Path) -> None:
+    store = views.ensure_views(run)
+    inc = store.incidents[0]
+    d = views.incident_detail(store, inc)
+    subject = d.series.filter(pl.col("who") == "subject")
+    peers = d.series.filter(pl.col("who") == "peers median")
+    assert subject["step"].min() == inc.onset_step - 50 and subject["step"].max() == inc.onset_step + 50  # type: ignore[operator]
+    after = pl.col("step") > inc.onset_step  # type: ignore[operator]
+    assert subject.filter(after)["compute_ms"].median() > 1.2 * peers.filter(after)["compute_ms"].median()  # type: ignore[operator]
+    assert subject.filter(after)["late_ms"].median() > 5 * peers.filter(after)["late_ms"].median()  # type: ignore[operator]
+    before = subject.filter(~after)["compute_ms"].median() / peers.filter(~after)["compute_ms"].median()  # type: ignore[operator]
+    assert 0.9 < before < 1.1
+    assert d.gpu["who"].to_list() == ["subject", "median GPU"]
+    assert d.arrivals.row(0, named=True)["rank"] == STRAGGLER
+    assert d.decisions.height == 1 and d.decisions["action"].to_list() == ["observe"]
+
+
+def test_the_heatmap_bins_keep_the_largest_value(run: Path) -> None:
+    store = views.ensure_views(run)
+    full = store.frame("rank_steps")
+    hm = views.heatmap(store, "step_ms", max_ranks=4, max_steps=30)
+    assert hm.height == 4 * 30
+    assert hm["rank_lo"].unique().sort().to_list() == [0, 4, 8, 12]
+    cell = hm.filter((pl.col("rank_lo") <= STRAGGLER) & (pl.col("rank_hi") >= STRAGGLER) & (pl.col("step_lo") == 200))
+    expect = full.filter(pl.col("rank").is_between(4, 7) & pl.col("step").is_between(200, 209))["step_ms"].max()
+    assert cell["value"].to_list() == [expect]
+    assert views.heatmap(store, "late_ms").height == 16 * 150  # 300 steps into at most 200 bins: 150 bins of 2
+    grid = views.grid(store)
+    assert grid.height == 8 and grid.sort("value").row(-1, named=True)["rank"] == STRAGGLER
+
+
+def test_the_timeline_holds_starts_checkpoints_the_incident_the_decision_and_the_lineage(run: Path) -> None:
+    store = views.ensure_views(run)
+    tl = views.timeline(store, store.incidents, views.decisions(run), views.lineage(run))
+    kinds = tl["kind"].to_list()
+    assert kinds[0] == "start" and kinds.count("checkpoint saved") == 3 and kinds.count("incident") == 1
+    assert "decision (proposed)" in kinds and "lineage" in kinds and "exit" in kinds
+    assert tl["wall_ns"].is_sorted()
+    assert views.comparability(run, store.incidents).bitwise
+
+
+def test_comparability_names_what_changed(tmp_path: Path) -> None:
+    entry = {"seq": 3, "time_ns": 1, "kind": "world_size_change", "details": {"attempt": 2},
+             "verdict": {"comparability": "changed", "reasons": ["batch_composition"], "note": "dp 4 -> 2"},
+             "prev_hash": "0", "hash": "1"}
+    (tmp_path / "lineage.jsonl").write_text(json.dumps(entry) + "\n")
+    c = views.comparability(tmp_path)
+    assert not c.bitwise and c.line() == "CHANGED: #3 world_size_change: batch_composition"
+    (tmp_path / "lineage.jsonl").write_text('{"seq": 0}\n')
+    with pytest.raises(RunDirError, match=r"lineage.jsonl: line 1 is not a lineage entry"):
+        views.lineage(tmp_path)
+
+
+def test_topology_marks_incidents_and_quarantine(run: Path, tmp_path: Path) -> None:
+    store = views.ensure_views(run)
+    device = store.frame("topology").filter(pl.col("rank") == 3)["device_uuid"].item()
+    (tmp_path / "quarantine.json").write_text(json.dumps({"entries": [{"kind": "device", "id": device,
+                                                                        "incident": "x"}]}))
+    devices, links = views.topology_status(store, store.incidents, views.quarantine(tmp_path))
+    status = dict(zip(devices["rank"].to_list(), devices["status"].to_list()))
+    assert status[STRAGGLER] == "straggler" and status[3] == "quarantined" and status[0] == "ok"
+    assert links.height == 6 and set(links["status"]) == {"ok"}
+    (tmp_path / "quarantine.json").write_text(json.dumps({"entries": [{"id": "x"}]}))
+    with pytest.raises(RunDirError, match="quarantine.json: not a quarantine list"):
+        views.quarantine(tmp_path)
+
+
+def test_collective_progress_names_the_hung_rank(tmp_path: Path) -> None:
+    run = analyzed_run(tmp_path / "hang", steps=200, faults=("hang:rank=6,step=120",))
+    col = views.ensure_views(run).frame("collectives")
+    behind = col.filter(pl.col("behind") > 0)
+    # its tensor- and pipeline-parallel peers wait for it, so they never reach their data-parallel all-reduce either
+    assert set(behind["rank"]) == {6, 7, 14, 15}
+    assert set(col.filter(pl.col("missing"))["rank"]) == {6}
+    assert set(col.filter(pl.col("waiting"))["rank"]) == set(range(16)) - {6}  # every other rank waits somewhere
+
+
+def test_stale_views_are_told_and_rebuilt(run: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    shutil.rmtree(views.views_dir(copy))
+    store = views.ensure_views(copy)  # none stored: the analysis builds them
+    assert not store.stale()
+    part = next((copy / "telemetry").rglob("*.parquet"))
+    shutil.copy(part, part.with_name("part-99999.parquet"))
+    assert store.stale()
+    assert views.ensure_views(copy).summary == store.summary  # without refresh: what is stored
+    with pytest.raises(AnalyticsError):  # a copied part is damaged input, never a fresh answer
+        views.ensure_views(copy, refresh=True)
+
+
+def test_damaged_or_missing_input_is_one_line_never_an_empty_answer(run: Path, tmp_path: Path) -> None:
+    with pytest.raises(RunDirError, match="no such run directory"):
+        views.ensure_views(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AnalyticsError, match="no telemetry"):
+        views.ensure_views(tmp_path / "empty")
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    (views.views_dir(copy) / views.MANIFEST).write_text("{not json")
+    with pytest.raises(RunDirError, match=r"manifest.json: unreadable views manifest") as err:
+        views.ensure_views(copy)
+    assert "\n" not in str(err.value)
+    (views.views_dir(copy) / views.MANIFEST).write_text(json.dumps({"version": 99}))
+    with pytest.raises(RunDirError, match="views version 99"):
+        views.ensure_views(copy)
+    (copy / "recovery" / "recovery-0001.json").write_text(json.dumps({"id": "r1", "decisions": [{"class": "x"}]}))
+    with pytest.raises(RunDirError, match=r"recovery-0001.json: not a recovery record"):
+        views.decisions(copy)
+
+
+def test_views_of_a_run_whose_folder_cannot_be_written_go_to_the_cache(run: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    copy = tmp_path / "ro"
+    shutil.copytree(run / "telemetry", copy / "telemetry")
+    (copy / "analysis").write_text("a file where the analysis folder would be")
+    store = views.ensure_views(copy)
+    assert str(store.folder).startswith(str(tmp_path / "cache")) and store.summary.ranks == 16
+    assert views.stored_views(copy) is not None and views.stored_views(copy).folder == store.folder  # type: ignore[union-attr]
