@@ -8,13 +8,14 @@ STAMP := $(VENV)/.rankwatch-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/install_torch.sh
+$(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_system.sh
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
 	else \
 	  $(PYTHON) -m venv $(VENV); \
 	fi
 	bash scripts/install_torch.sh $(PY)
+	bash scripts/install_system.sh
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 

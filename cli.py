@@ -4,6 +4,7 @@ recover (the narrowest safe recovery), and the tools around them."""
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -198,24 +199,63 @@ def _demo(args: argparse.Namespace) -> int:
     print()
     _analyze_run(run_dir, progress=False)
     _print_recovery(cfg)
+    notebook = _demo_postmortem(run_dir)
     if not args.drill:
-        return 0 if result.ok else 1
+        _print_dashboard([run_dir], notebook)
+        return 0 if result.ok and notebook is not None else 1
     print()
     print("the live loop: the recovery manager as a service launches a 4-rank canary, a monitor sends it signed alerts, "
           "rank 1 is SIGKILLed from outside; detected, decided, restarted from a checkpoint, checked bitwise against "
           "a fault-free run (`rankwatch drill --all` runs every drill)")
     drilled = _run_drills(["sigkill"], Path(args.drill_dir), who="rankwatch demo drill")
-    return 0 if result.ok and drilled == 0 else 1
+    runs = [run_dir]
+    drill_run = Path(args.drill_dir) / "sigkill" / "run"
+    if drill_run.is_dir():
+        from rankwatch.analytics.views import ensure_views
+
+        try:
+            ensure_views(drill_run)  # the dashboard opens it at once
+            runs.append(drill_run)
+        except ValueError as exc:
+            print(f"rankwatch demo: the drill's run has no views: {exc}", file=sys.stderr)
+    _print_dashboard(runs, notebook)
+    return 0 if result.ok and drilled == 0 and notebook is not None else 1
+
+
+def _demo_postmortem(run_dir: Path) -> Path | None:
+    """Execute the post-mortem notebook on the demo run (an .ipynb and its HTML beside the run's analysis)."""
+    from rankwatch.notebooks.runner import run_postmortem
+
+    out = run_dir / "postmortem.ipynb"
+    print()
+    print("post-mortem: executing notebooks/postmortem.py on the run ...", flush=True)
+    try:
+        run_postmortem(run_dir, out=out, html=out.with_suffix(".html"))
+    except ValueError as exc:
+        print(f"rankwatch demo: post-mortem failed: {exc}", file=sys.stderr)
+        return None
+    return out
+
+
+def _print_dashboard(runs: list[Path], notebook: Path | None) -> None:
+    print()
+    if notebook is not None:
+        print(f"the post-mortem notebook, executed: {notebook} (and {notebook.with_suffix('.html')})")
+    print("the incident dashboard on the demo run" + (" and the drill's run" if len(runs) > 1 else "") + ":")
+    exe = Path(sys.executable).parent / "rankwatch"  # the venv's command, where the venv is not activated
+    cmd = os.path.relpath(exe) if exe.exists() else "rankwatch"
+    print(f"  {cmd} dashboard {' '.join(str(r) for r in runs)}    # then open http://127.0.0.1:8501/")
 
 
 def _print_recovery(cfg: CanaryConfig) -> None:
     """What the recovery manager decides for the incidents just written (a dry run: nothing touched)."""
     from rankwatch.analytics.analyze import ANALYSIS_DIR
     from rankwatch.analytics.incidents import read_incidents
-    from rankwatch.trainer.manager import canary_declaration, catalog_view, plan_recovery
+    from rankwatch.trainer.manager import canary_declaration, catalog_view, plan_recovery, write_plan
 
     incidents = read_incidents(Path(cfg.run_dir) / ANALYSIS_DIR / "incidents.json")
     plan = plan_recovery(incidents, job=canary_declaration(cfg.layout), catalog=catalog_view(Path(cfg.run_dir), cfg.layout))
+    write_plan(Path(cfg.run_dir), plan)
     print()
     print(f"recovery (dry run; `rankwatch recover {cfg.run_dir} --apply` carries it out):")
     for d in plan.decided:
@@ -235,7 +275,7 @@ def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = N
         if progress:
             print(f"  .. {msg}", file=sys.stderr, flush=True)
 
-    analysis = analyze(run_dir, config=AnalysisConfig(window_steps=window, anomaly=anomaly), progress=say,
+    analysis = analyze(run_dir, config=AnalysisConfig(window_steps=window, anomaly=anomaly, views=True), progress=say,
                        clock=Clock(clock))
     for w in analysis.warnings:
         print(f"rankwatch analyze: warning: {w}", file=sys.stderr)
@@ -421,8 +461,10 @@ def _recover(args: argparse.Namespace) -> int:
     for line in plan.lines():
         print(f"  {line}")
     if not args.apply:
-        if plan.relaunch or plan.quarantines:
-            print("dry run: nothing touched (--apply carries it out)")
+        if plan.decided:
+            from rankwatch.trainer.manager import write_plan
+
+            print(f"dry run: nothing touched (--apply carries it out); the plan: {write_plan(args.run_dir, plan)}")
         return 0
     rec = apply(cfg, plan, say=lambda m: print(f"rankwatch recover: {m}", flush=True), timeout_s=args.timeout)
     print(f"rankwatch recover: {rec.id}: {rec.outcome}; record in {args.run_dir / 'recovery' / (rec.id + '.json')}")
@@ -495,6 +537,20 @@ def _manager(args: argparse.Namespace) -> int:
 
 def _telemetry(args: argparse.Namespace) -> int:
     _print_summary(args.run_dir)
+    return 0
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from rankwatch.dashboard.serve import serve
+
+    return serve(args.run_dirs, port=args.port, address=args.address)
+
+
+def _postmortem(args: argparse.Namespace) -> int:
+    from rankwatch.notebooks.runner import run_postmortem
+
+    out = run_postmortem(args.run_dir, out=args.out, incident=args.incident, html=args.html)
+    print(f"rankwatch postmortem: {out}" + (f" and {args.html}" if args.html else ""))
     return 0
 
 
@@ -578,11 +634,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     dr.add_argument("--all", action="store_true", help="every drill, in that order")
     dr.add_argument("--workdir", type=Path, default=Path("runs/drills"),
                     help="the drills' runs, the cached reference run and report.json")
+    db = sub.add_parser("dashboard", help="the incident dashboard (Streamlit) over one or more runs, on 127.0.0.1")
+    db.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    db.add_argument("--port", type=int, default=8501)
+    db.add_argument("--address", default="127.0.0.1", help="bind address (default loopback only)")
+    pm = sub.add_parser("postmortem", help="execute the post-mortem notebook on a run (an .ipynb, optionally HTML)")
+    pm.add_argument("run_dir", type=Path)
+    pm.add_argument("--incident", default=None, metavar="ID", help="the incident to explain (default: the most "
+                                                                     "consequential)")
+    pm.add_argument("--out", type=Path, required=True, help="the executed notebook (.ipynb)")
+    pm.add_argument("--html", type=Path, default=None, help="also write it as HTML")
     args = parser.parse_args(argv)
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
                 "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,
                 "evidence": _evidence, "recover": _recover, "rollup": _rollup, "lineage": _lineage,
-                "manager": _manager, "webhook-secret": _webhook_secret, "drill": _drill}
+                "manager": _manager, "webhook-secret": _webhook_secret, "drill": _drill,
+                "dashboard": _dashboard, "postmortem": _postmortem}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # bad input: one line, no traceback

@@ -1,3 +1,4 @@
-"""rankwatch.dashboard: the Streamlit incident dashboard (a later issue)."""
+"""rankwatch.dashboard: the Streamlit incident dashboard (`rankwatch dashboard RUN_DIR ...`) on top of
+`rankwatch.analytics.views`; `serve` starts it bound to loopback."""
 
 __all__: list[str] = []

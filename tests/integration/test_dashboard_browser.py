@@ -1,0 +1,150 @@
+"""The dashboard in a real browser: a canary run on 8 real gloo ranks (a slow rank and a throttled replayed GPU, as
+`make demo` runs it, shorter), analysed and given a dry-run recovery plan; `rankwatch dashboard` serves it; Debian's
+Chromium, driven by Playwright, opens every page, checks its key elements, clicks into the straggler's incident and
+saves screenshots (into $RANKWATCH_SCREENSHOTS when set: `docs/screenshots/` holds the committed ones)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rankwatch.analytics.analyze import AnalysisConfig, analyze, write_analysis
+from rankwatch.dashboard.data import LIVE_ENV
+from rankwatch.dashboard.serve import start, stop, wait_ready
+from rankwatch.trainer import Faults
+from rankwatch.trainer.manager import canary_declaration, catalog_view, plan_recovery, write_plan
+from support import canary, run
+
+CHROMIUM = Path("/usr/bin/chromium")
+SLOW_RANK = 5
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+if not CHROMIUM.exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{CHROMIUM} missing: `make test` installs it (scripts/install_system.sh)")
+    pytest.skip(f"{CHROMIUM} missing (scripts/install_system.sh installs Debian's chromium)", allow_module_level=True)
+
+playwright = pytest.importorskip("playwright.sync_api")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("browser") / "demo"
+    faults = Faults().slow(rank=SLOW_RANK, from_step=40, delay_s=0.03).throttle(rank=2, from_step=60, delay_s=0.02)
+    cfg = canary(run_dir, layout="dp=2,tp=2,pp=2", steps=120, hosts=2, faults=faults, checkpoint_every=50)
+    result = run(cfg, timeout_s=300)
+    assert result.ok, result.exit_codes
+    analysis = analyze(run_dir, config=AnalysisConfig(views=True))
+    write_analysis(analysis)
+    assert any(SLOW_RANK in i.ranks for i in analysis.incidents), [str(i.subject) for i in analysis.incidents]
+    write_plan(run_dir, plan_recovery(analysis.incidents, job=canary_declaration(cfg.layout),
+                                      catalog=catalog_view(run_dir, cfg.layout)))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def server(demo_run: Path) -> Iterator[str]:
+    port = _free_port()
+    # the run was written seconds ago, which would show Progress live (a refresh every few seconds: the page never
+    # settles for a screenshot); the live view is AppTest's (tests/unit/test_dashboard.py)
+    before = os.environ.get(LIVE_ENV)
+    os.environ[LIVE_ENV] = "0"
+    try:
+        proc = start([demo_run], port=port)
+    finally:
+        if before is None:
+            os.environ.pop(LIVE_ENV, None)
+        else:
+            os.environ[LIVE_ENV] = before
+    try:
+        wait_ready(port, timeout_s=120, proc=proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def page(server: str) -> Iterator[Any]:
+    with playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1500, "height": 1000})
+        yield page
+        browser.close()
+
+
+def _shots(tmp_path: Path) -> Path:
+    out = Path(os.environ.get("RANKWATCH_SCREENSHOTS") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _open(page: Any, url: str, title: str) -> None:
+    """Navigate and wait until Streamlit rendered the page: its title is shown, the script run ended, and no
+    element is still a loading skeleton; a traceback on the page fails the test."""
+    page.goto(url)
+    page.get_by_role("heading", name=title).first.wait_for(timeout=90_000)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidgetRunningIcon\"]')"
+                           " && !document.querySelector('[data-testid=\"stSkeleton\"]')", timeout=90_000)
+    page.wait_for_timeout(500)  # charts draw after the script run ends
+    assert page.locator("[data-testid='stException']").count() == 0, page.locator("[data-testid='stException']").first.inner_text()
+
+
+# (url path, page title, CSS selectors that must be on the page)
+PAGES = [
+    ("", "Progress", ["[data-testid='stMetric']", "[data-testid='stDataFrame']"]),
+    ("incidents", "Incidents", ["[data-testid='stDataFrame']", "[data-testid='stSelectbox']"]),
+    ("heatmap", "Heatmap", ["[data-testid='stVegaLiteChart']"]),
+    ("stragglers", "Stragglers", ["[data-testid='stDataFrame']"]),
+    ("collectives", "Collectives", ["[data-testid='stMetric']", "[data-testid='stDataFrame']"]),
+    ("topology", "Topology", ["[data-testid='stVegaLiteChart']", "[data-testid='stDataFrame']"]),
+    ("breakdown", "Time breakdown", ["[data-testid='stVegaLiteChart']"]),
+    ("timeline", "Timeline", ["[data-testid='stVegaLiteChart']", "[data-testid='stDataFrame']"]),
+    ("runs", "Runs", []),
+]
+
+
+def test_every_page_renders_its_key_elements(page: Any, server: str, tmp_path: Path) -> None:
+    shots = _shots(tmp_path)
+    for path, title, selectors in PAGES:
+        _open(page, f"{server}/{path}", title)
+        for sel in selectors:
+            assert page.locator(sel).count() > 0, f"{title}: no {sel}"
+        page.screenshot(path=str(shots / f"{path or 'progress'}.png"), full_page=True)
+        assert (shots / f"{path or 'progress'}.png").stat().st_size > 10_000
+    _open(page, server + "/", "Progress")
+    metrics = page.locator("[data-testid='stMetric']").all_inner_texts()
+    assert any("Ranks" in m and "8" in m for m in metrics), metrics
+
+
+def test_clicking_into_the_straggler_opens_its_evidence(page: Any, server: str, demo_run: Path, tmp_path: Path) -> None:
+    from rankwatch.analytics.views import ensure_views
+
+    incident = next(i for i in ensure_views(demo_run).incidents if SLOW_RANK in i.ranks)
+    _open(page, f"{server}/incidents", "Incidents")
+    box = page.locator("[data-testid='stSelectbox']").filter(has_text="Incident").first
+    box.click()
+    page.get_by_role("option").filter(has_text=incident.id).first.click()
+    header = page.get_by_role("heading", name=f"Incident {incident.id}")
+    header.wait_for(timeout=60_000)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidgetRunningIcon\"]')",
+                           timeout=60_000)
+    page.wait_for_timeout(500)
+    body = page.locator("[data-testid='stMain']").inner_text()
+    assert incident.summary[:40] in body and "gate" in body.lower(), body[:2000]
+    assert f"incident={incident.id}" in page.url
+    assert page.locator("[data-testid='stVegaLiteChart']").count() > 0  # the subject against its peers
+    page.screenshot(path=str(_shots(tmp_path) / "incident.png"), full_page=True)
+    # the deep link opens the same detail in a new visit
+    _open(page, f"{server}/incidents?incident={incident.id}", "Incidents")
+    page.get_by_role("heading", name=f"Incident {incident.id}").wait_for(timeout=60_000)

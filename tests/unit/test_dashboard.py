@@ -1,0 +1,153 @@
+"""The Streamlit dashboard through AppTest: every page on a generated run, incident selection (widget and deep
+link), unreadable runs as one-line errors, and localization across two runs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from rankwatch.analytics import views
+from rankwatch.dashboard.data import LIVE_ENV, RUNS_ENV
+from views_support import STRAGGLER, analyzed_run
+
+APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+PAGES = ("progress", "incidents", "heatmap", "stragglers", "collectives", "topology", "breakdown", "timeline", "runs")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return analyzed_run(tmp_path_factory.mktemp("dash") / "run")
+
+
+@pytest.fixture(scope="module")
+def straggler_id(run: Path) -> str:
+    store = views.ensure_views(run)
+    return next(i.id for i in store.incidents if STRAGGLER in i.ranks)
+
+
+def _app(monkeypatch: pytest.MonkeyPatch, *runs: Path | str) -> AppTest:
+    monkeypatch.setenv(RUNS_ENV, os.pathsep.join(map(str, runs)))
+    monkeypatch.setenv(LIVE_ENV, "0")
+    return AppTest.from_file(str(APP), default_timeout=60)
+
+
+def _text(at: AppTest) -> str:
+    parts = [e.value for e in (*at.markdown, *at.header, *at.subheader, *at.title, *at.caption, *at.info,
+                               *at.error, *at.warning, *at.success)]
+    return "\n".join(map(str, parts))
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders(monkeypatch: pytest.MonkeyPatch, run: Path, page: str) -> None:
+    at = _app(monkeypatch, run).run()
+    at.switch_page(f"pages/{page}.py").run()
+    assert not at.exception, at.exception
+    assert not at.error, [e.value for e in at.error] if page != "runs" else True
+    assert at.dataframe or page == "runs"
+
+
+def test_progress_metrics(monkeypatch: pytest.MonkeyPatch, run: Path) -> None:
+    at = _app(monkeypatch, run).run()
+    labels = {m.label: m.value for m in at.metric}
+    assert labels["Ranks"] == "16"
+    assert "Effective training time" in labels and "Goodput" in labels
+    assert at.dataframe[0].value.shape[0] == 16
+
+
+def test_progress_live_when_telemetry_changed(monkeypatch: pytest.MonkeyPatch, run: Path) -> None:
+    at = _app(monkeypatch, run)
+    monkeypatch.setenv(LIVE_ENV, "3600")
+    at.run()
+    assert not at.exception, at.exception
+    assert "Live:" in _text(at)
+
+
+def test_incident_table_and_selectbox(monkeypatch: pytest.MonkeyPatch, run: Path, straggler_id: str) -> None:
+    at = _app(monkeypatch, run).run()
+    at.switch_page("pages/incidents.py").run()
+    assert straggler_id in at.dataframe[0].value["id"].to_list()
+    assert not at.header
+    at.selectbox(key="incident").select(straggler_id).run()
+    assert not at.exception, at.exception
+    assert f"Incident {straggler_id}" in [h.value for h in at.header]
+    assert "Gates:" in _text(at) and "a slow rank is not a failed rank" in _text(at)
+    assert at.query_params.get("incident") == straggler_id
+
+
+def test_incident_deep_link(monkeypatch: pytest.MonkeyPatch, run: Path, straggler_id: str) -> None:
+    at = _app(monkeypatch, run).run()
+    at.switch_page("pages/incidents.py")
+    at.query_params["incident"] = straggler_id
+    at.run()
+    assert not at.exception, at.exception
+    assert f"Incident {straggler_id}" in [h.value for h in at.header]
+
+
+def test_heatmap_drill_down(monkeypatch: pytest.MonkeyPatch, run: Path) -> None:
+    at = _app(monkeypatch, run).run()
+    at.switch_page("pages/heatmap.py").run()
+    assert at.number_input(key="rank").value == STRAGGLER
+    at.selectbox(key="metric").select("late_ms").run()
+    at.number_input(key="rank").set_value(3).run()
+    assert not at.exception, at.exception
+    assert "**Rank 3**: 300 steps" in _text(at)
+
+
+def test_no_runs_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(RUNS_ENV, raising=False)
+    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    assert not at.exception
+    assert "No run given" in at.error[0].value
+
+
+@pytest.mark.parametrize("kind", ["empty", "missing", "damaged_views"])
+def test_unreadable_run_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, run: Path, kind: str) -> None:
+    target = tmp_path / "run"
+    if kind == "empty":
+        target.mkdir()
+    elif kind == "damaged_views":
+        views.views_dir(target).mkdir(parents=True)
+        (views.views_dir(target) / views.MANIFEST).write_bytes(b"\x00garbage")
+    at = _app(monkeypatch, target).run()
+    assert not at.exception, at.exception
+    assert at.error and "Cannot open this run" in at.error[0].value
+    assert str(target) in at.error[0].value
+
+
+def test_damaged_telemetry_part_is_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    target = analyzed_run(tmp_path / "run", steps=60, faults=())
+    views.views_dir(target).joinpath(views.MANIFEST).unlink()
+    part = next((target / "telemetry" / "steps").rglob("*.parquet"))
+    part.write_bytes(b"not a parquet file")
+    at = _app(monkeypatch, target).run()
+    assert not at.exception, at.exception
+    assert any(part.name in w.value and "unreadable" in w.value for w in at.warning)
+
+
+def test_runs_page_localizes_across_two_runs(monkeypatch: pytest.MonkeyPatch, run: Path, tmp_path: Path) -> None:
+    other = analyzed_run(tmp_path / "other", seed=4)
+    at = _app(monkeypatch, run, other).run()
+    assert at.selectbox(key="run").options
+    at.switch_page("pages/runs.py").run()
+    assert not at.exception, at.exception
+    assert any(h.value.startswith("straggler: follows") for h in at.subheader)
+
+
+def test_runs_page_with_one_run(monkeypatch: pytest.MonkeyPatch, run: Path) -> None:
+    at = _app(monkeypatch, run).run()
+    at.switch_page("pages/runs.py").run()
+    assert "needs at least two" in _text(at)
+
+
+def test_collectives_name_the_hung_rank_not_the_peers_blocked_by_it(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    hung = analyzed_run(tmp_path / "hang", steps=200, faults=("hang:rank=6,step=120",))
+    at = _app(monkeypatch, hung).run()
+    at.switch_page("pages/collectives.py").run()
+    assert not at.exception, at.exception
+    labels = {m.label: m.value for m in at.metric}
+    assert labels["Ranks missing"] == "1" and int(labels["Members behind"]) > 1
+    assert set(at.dataframe[0].value["rank"]) == {6}
