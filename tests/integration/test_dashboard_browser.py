@@ -118,8 +118,8 @@ def test_every_page_renders_its_key_elements(page: Any, server: str, tmp_path: P
     shots = _shots(tmp_path)
     for path, title, selectors in PAGES:
         _open(page, f"{server}/{path}", title)
-        for sel in selectors:
-            assert page.locator(sel).count() > 0, f"{title}: no {sel}"
+        for sel in selectors:  # charts draw after the script run ends: wait for each, as a reader would
+            page.locator(sel).first.wait_for(timeout=60_000)
         page.screenshot(path=str(shots / f"{path or 'progress'}.png"), full_page=True)
         assert (shots / f"{path or 'progress'}.png").stat().st_size > 10_000
     _open(page, server + "/", "Progress")
@@ -143,8 +143,26 @@ def test_clicking_into_the_straggler_opens_its_evidence(page: Any, server: str, 
     body = page.locator("[data-testid='stMain']").inner_text()
     assert incident.summary[:40] in body and "gate" in body.lower(), body[:2000]
     assert f"incident={incident.id}" in page.url
-    assert page.locator("[data-testid='stVegaLiteChart']").count() > 0  # the subject against its peers
+    page.locator("[data-testid='stVegaLiteChart']").first.wait_for(timeout=60_000)  # the subject against its peers
     page.screenshot(path=str(_shots(tmp_path) / "incident.png"), full_page=True)
     # the deep link opens the same detail in a new visit
     _open(page, f"{server}/incidents?incident={incident.id}", "Incidents")
     page.get_by_role("heading", name=f"Incident {incident.id}").wait_for(timeout=60_000)
+
+
+def test_clicking_a_heatmap_cell_drills_into_its_rank(page: Any, server: str) -> None:
+    _open(page, f"{server}/heatmap", "Heatmap")
+    main = page.locator("[data-testid='stMain']")
+    assert f"Rank {SLOW_RANK}:" in main.inner_text()  # the drill-down starts at the leaderboard's top rank
+    chart = page.locator("[data-testid='stVegaLiteChart']").first
+    chart.wait_for(timeout=60_000)
+    chart.scroll_into_view_if_needed()
+    page.wait_for_timeout(1000)  # Vega binds its click handlers once drawn
+    box = chart.bounding_box()
+    assert box is not None
+    # a cell near the top of the chart: one of the first or last two of its 8 rank rows, not the slow rank's
+    page.mouse.click(box["x"] + box["width"] * 0.35, box["y"] + box["height"] * 0.12)
+    drilled = page.wait_for_function(
+        "() => { const m = document.querySelector('[data-testid=\"stMain\"]').innerText.match(/Rank (\\d+):/);"
+        " return m !== null && m[1] !== '" + str(SLOW_RANK) + "' ? Number(m[1]) : null; }", timeout=60_000)
+    assert drilled.json_value() in set(range(8)) - {SLOW_RANK}
