@@ -461,10 +461,8 @@ def _recover(args: argparse.Namespace) -> int:
     for line in plan.lines():
         print(f"  {line}")
     if not args.apply:
-        if plan.decided:
-            from rankwatch.trainer.manager import write_plan
-
-            print(f"dry run: nothing touched (--apply carries it out); the plan: {write_plan(args.run_dir, plan)}")
+        if plan.relaunch or plan.quarantines:
+            print("dry run: nothing touched (--apply carries it out)")
         return 0
     rec = apply(cfg, plan, say=lambda m: print(f"rankwatch recover: {m}", flush=True), timeout_s=args.timeout)
     print(f"rankwatch recover: {rec.id}: {rec.outcome}; record in {args.run_dir / 'recovery' / (rec.id + '.json')}")
