@@ -818,14 +818,20 @@ def timeline(views: ViewStore, incidents: Sequence[Incident], decided: pl.DataFr
         "wall_ns", nulls_last=True)
 
 
-def observation(views: ViewStore) -> RunObservation:
-    """The run's stored incidents (and the recovery records') on the topology they happened on, for `localize`."""
-    topo = views.frame("topology")
-    attempt = int(topo["attempt"].max()) if topo.height else 0  # type: ignore[arg-type]
+def run_incidents(views: ViewStore) -> tuple[Incident, ...]:
+    """The run's incidents: its analysis' (the stored views'), then those only the recovery records carry (the live
+    loop's), each once."""
     found = {i.id: i for i in views.incidents}
     for i in recorded_incidents(views.run_dir):
         found.setdefault(i.id, i)
-    return RunObservation(run=str(views.run_dir), attempt=attempt, incidents=tuple(found.values()), topology=topo,
+    return tuple(found.values())
+
+
+def observation(views: ViewStore) -> RunObservation:
+    """The run's incidents (`run_incidents`) on the topology they happened on, for `localize`."""
+    topo = views.frame("topology")
+    attempt = int(topo["attempt"].max()) if topo.height else 0  # type: ignore[arg-type]
+    return RunObservation(run=str(views.run_dir), attempt=attempt, incidents=run_incidents(views), topology=topo,
                           groups=views.frame("groups"))
 
 

@@ -100,10 +100,7 @@ def live_progress(run_dir: str) -> pl.DataFrame:
 @st.cache_data(ttl=_FILES_TTL_S, max_entries=64, show_spinner=False)
 def incidents(run_dir: str, built: int) -> tuple[Incident, ...]:
     """The analysis' incidents, then those only the recovery records carry (the live loop's)."""
-    found = {i.id: i for i in _store(run_dir, built).incidents}
-    for i in views.recorded_incidents(run_dir):
-        found.setdefault(i.id, i)
-    return tuple(found.values())
+    return views.run_incidents(_store(run_dir, built))
 
 
 @st.cache_data(ttl=_FILES_TTL_S, max_entries=64, show_spinner=False)

@@ -59,10 +59,8 @@ summary = store.summary
 decided = views.decisions(RUN)
 lineage = views.lineage(RUN)
 quarantined = views.quarantine(RUN)
-found = {i.id: i for i in store.incidents}
-for i in views.recorded_incidents(RUN):
-    found.setdefault(i.id, i)
-incidents = sort_incidents(found.values())
+incidents = sort_incidents(views.run_incidents(store))
+found = {i.id: i for i in incidents}
 table = views.incident_table(incidents, decided, summary.start_wall_ns)
 steps = store.frame("rank_steps")
 progress = store.frame("progress")
@@ -166,21 +164,12 @@ else:
     s = detail.series
     topo = store.frame("topology")
     roles = topo.filter(pl.col("rank").is_in(incident.ranks))["role"].unique().to_list() if topo.height else []
-    peers = topo.filter(pl.col("role").is_in(roles) & ~pl.col("rank").is_in(incident.ranks))["rank"].to_list()
-    lo, hi = (s["step"].min(), s["step"].max()) if s.height else (summary.first_step, summary.last_step)
-    near = steps.filter(pl.col("step").is_between(lo, hi))
-    own = pl.concat([
-        near.filter(pl.col("rank").is_in(incident.ranks)).group_by("step").agg(pl.col("compute_ms").max())
-        .with_columns(pl.lit("subject").alias("who")),
-        near.filter(pl.col("rank").is_in(peers)).group_by("step").agg(pl.col("compute_ms").median())
-        .with_columns(pl.lit("peers median").alias("who"))])
     fig, (a0, a1, a2) = plt.subplots(3, 1, figsize=(10, 7), sharex=True)
     for who, style in (("subject", "-"), ("peers median", "--")):
         part = s.filter(pl.col("who") == who).sort("step")
+        a0.plot(part["step"], part["compute_ms"], style, label=who)
         a1.plot(part["step"], part["step_ms"], style, label=who)
         a2.plot(part["step"], part["late_ms"], style, label=who)
-        mine = own.filter(pl.col("who") == who).sort("step")
-        a0.plot(mine["step"], mine["compute_ms"], style, label=who)
     for ax in (a0, a1, a2):
         if incident.onset_step is not None:
             ax.axvline(incident.onset_step, color="tab:red", ls=":", lw=1, label="onset")

@@ -52,8 +52,8 @@ def _live(store: views.ViewStore) -> None:
         st.warning(f"Live progress unavailable ({exc}); showing the stored view.")
         live = store.frame("progress")
     else:
-        topo = store.frame("progress").select("rank", *[c for c in ("host", "dp", "tp", "pp", "device_uuid")
-                                                        if c in store.frame("progress").columns])
+        stored = store.frame("progress")
+        topo = stored.select("rank", *[c for c in ("host", "dp", "tp", "pp", "device_uuid") if c in stored.columns])
         live = live.join(topo, on="rank", how="left") if topo.height else live
     st.caption(f"Live: read from the telemetry every {_LIVE_EVERY_S} s; ages against now "
                f"({time.strftime('%H:%M:%S')}).")
