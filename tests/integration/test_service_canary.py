@@ -21,6 +21,7 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 
 from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, Subject, SubjectKind
+from rankwatch.trainer.faults import Faults
 from rankwatch.trainer.manager import RECOVERY_DIR
 from rankwatch.trainer.service import MANAGER_DIR, STATE_FILE, ManagerService
 from support import canary, rows
@@ -92,8 +93,10 @@ def _wait_for(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
 def test_a_lost_or_stuck_rank_is_stopped_recovered_and_finished_by_the_service(
     run_dir: Path, sig: signal.Signals, klass: IncidentClass
 ) -> None:
-    # a long collective timeout and failure grace: only the service's stop can end the attempt quickly
-    cfg = canary(run_dir, layout="dp=2", steps=60, checkpoint_every=10, pg_timeout_s=60.0)
+    # a long collective timeout and failure grace: only the service's stop can end the attempt quickly; both ranks
+    # paced alike (no straggler) so that a loaded machine cannot finish the 60 steps before the test sees step 15
+    pace = Faults().slow(rank=0, delay_s=0.1).slow(rank=1, delay_s=0.1)
+    cfg = canary(run_dir, layout="dp=2", steps=60, checkpoint_every=10, pg_timeout_s=60.0, faults=pace)
     launch_kw = dict(timeout_s=140, failure_grace_s=90.0, term_grace_s=2.0)
     with ManagerService(run_dir, secret=SECRET, job=cfg, launch_kw=launch_kw) as svc:
         _wait_for(lambda: _status(svc)["job"]["state"] == "running", 60, "the job running")
