@@ -19,6 +19,11 @@ implicate one device.
   `error_before_steps` before to `error_after_steps` after its onset: an increase of the uncorrectable ECC counter
   (ECC_DBE), a hardware XID (XID: `HARDWARE_XIDS`), corrected ECC errors rising on this device only (ECC_SBE_RISING,
   below); new remapped rows or retired pages add ROW_REMAP as corroboration but do not implicate a device alone.
+- any such incident whose rank's own error event, within the same steps, carries the CUDA driver's report of a
+  hardware fault (DRIVER_ERROR: "uncorrectable ECC error", "uncorrectable NVLink error", "fallen off the bus", or
+  an XID of `HARDWARE_XIDS` named in the text). A rank that dies of a double-bit error usually dies before its NVML
+  sampler reads the counter again, so its own exception is the only record; application errors ("illegal memory
+  access", out of memory, a peer's timeout) never match.
 
 (b) A device whose counters alone show it failing — a new uncorrectable ECC error, a hardware XID, or corrected ECC
 errors rising — and that no incident of (a) already names, is one CORRUPTION incident (cause HARDWARE_ERROR, the
@@ -31,6 +36,7 @@ logged before the run, and PCIe / NVLink replays (the link's, not the device's) 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -43,7 +49,7 @@ from rankwatch.analytics.incidents import (
 )
 from rankwatch.collector.schema import SLOWDOWN_REASONS, Gpu, ThrottleReason
 
-__all__ = ["HardwareConfig", "attribute_device_faults", "new_device_errors"]
+__all__ = ["HardwareConfig", "attribute_device_faults", "driver_errors", "new_device_errors"]
 
 _R, _S, _DEV = "rank", "step", "device_uuid"
 _THERMAL = int(ThrottleReason.SW_THERMAL_SLOWDOWN | ThrottleReason.HW_THERMAL_SLOWDOWN)
@@ -56,6 +62,11 @@ _CAN_IMPLICATE = frozenset({IncidentClass.STRAGGLER, IncidentClass.FAIL_STOP, In
                             IncidentClass.CORRUPTION})
 # Evidence that implicates a device by itself; ROW_REMAP only corroborates.
 _FAILING = frozenset({HardwareSignal.ECC_DBE, HardwareSignal.XID, HardwareSignal.ECC_SBE_RISING})
+
+# The CUDA runtime's and driver's words for a hardware fault of the device (cudaErrorECCUncorrectable,
+# cudaErrorNvlinkUncorrectable, Xid 79's "fallen off the bus"); an XID is hardware only when in HARDWARE_XIDS.
+_DRIVER_HW = re.compile(r"uncorrectable\s+ecc|ecc\s+error|uncorrectable\s+nvlink|fallen\s+off\s+the\s+bus", re.I)
+_XID_TEXT = re.compile(r"\bxid\b(?:\s*\([^)]*\))?\s*[:,]?\s*(\d+)", re.I)  # "Xid 79", "Xid (PCI:0000:3b:00): 48"
 
 _ERROR_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
     _R: pl.Int32, _S: pl.Int64, _DEV: pl.String, "new_sbe": pl.Int64, "new_dbe": pl.Int64, "new_remap": pl.Int64,
@@ -109,14 +120,15 @@ def attribute_device_faults(frames: Frames, incidents: Sequence[Incident],
                             config: HardwareConfig = HardwareConfig()) -> tuple[Incident, ...]:
     """`incidents` with those that direct hardware evidence pins on one device re-subjected to it, followed by one
     CORRUPTION incident per failing device no incident names (see the module docstring)."""
-    if frames.gpu.height == 0:
+    driver = driver_errors(frames)
+    if frames.gpu.height == 0 and driver.height == 0:
         return tuple(incidents)
     errors = new_device_errors(frames)
     rising = _sbe_rising(errors, config)
     devices = _rank_devices(frames)
     out: list[Incident] = []
     for inc in incidents:
-        out.append(_attribute(inc, frames, errors, rising, devices, config))
+        out.append(_attribute(inc, frames, errors, rising, devices, driver, config))
     named = {i.subject.id for i in out if i.device_fault}
     out.extend(_failing_devices(errors, rising, named, config))
     return tuple(out)
@@ -146,11 +158,24 @@ def new_device_errors(frames: Frames) -> pl.DataFrame:
     return g.filter(hit).select(list(_ERROR_SCHEMA)).cast(_ERROR_SCHEMA)  # type: ignore[arg-type]
 
 
+def driver_errors(frames: Frames) -> pl.DataFrame:
+    """(rank, step, message) of the error events whose text is the CUDA driver's report of a hardware fault
+    (see the module docstring); step may be null."""
+    ev = frames.events
+    schema = {_R: pl.Int32, _S: pl.Int64, "message": pl.String}
+    if ev.height == 0:
+        return pl.DataFrame(schema=schema)
+    ev = ev.filter(pl.col("message").is_not_null() & pl.col("kind").is_in(["exception", "warning"]))
+    keep = [bool(_DRIVER_HW.search(m)) or any(int(x) in HARDWARE_XIDS for x in _XID_TEXT.findall(m))
+            for m in ev.get_column("message").to_list()]
+    return ev.filter(pl.Series(keep, dtype=pl.Boolean)).select(_R, _S, "message").cast(schema)  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------------------------------------- (a) attribution
 
 
 def _attribute(inc: Incident, frames: Frames, errors: pl.DataFrame, rising: dict[int, int],
-               devices: dict[int, str], config: HardwareConfig) -> Incident:
+               devices: dict[int, str], driver: pl.DataFrame, config: HardwareConfig) -> Incident:
     if inc.klass not in _CAN_IMPLICATE or inc.device_fault or len(inc.ranks) != 1:
         return inc
     if inc.subject.kind not in (SubjectKind.RANK, SubjectKind.DEVICE):
@@ -176,6 +201,16 @@ def _attribute(inc: Incident, frames: Frames, errors: pl.DataFrame, rising: dict
         signals += err_signals
         if ev is not None:
             evidence.append(ev)
+        if inc.klass is IncidentClass.CORRUPTION:
+            cause = Cause.HARDWARE_ERROR
+    lo, hi = _lookback(inc, rank, anchor, frames) - config.error_before_steps, anchor + config.error_after_steps
+    said = driver.filter((pl.col(_R) == rank) & (pl.col(_S).is_null() | pl.col(_S).is_between(lo, hi)))
+    if said.height:
+        signals.append(HardwareSignal.DRIVER_ERROR)
+        evidence.append(Evidence(
+            source="events", summary=f"rank {rank}'s own error events report a hardware fault of its GPU",
+            columns=("rank", "step", "message"),
+            rows=tuple((int(r), None if s is None else int(s), str(m)) for r, s, m in said.head(20).iter_rows())))
         if inc.klass is IncidentClass.CORRUPTION:
             cause = Cause.HARDWARE_ERROR
     if not signals:
@@ -311,7 +346,8 @@ def _error_rows(rows: pl.DataFrame, summary: str) -> Evidence:
 def _fields(signals: Sequence[HardwareSignal]) -> tuple[str, ...]:
     cols = {HardwareSignal.THROTTLE: Gpu.THROTTLE_REASONS.value, HardwareSignal.CLOCK_LOSS: Gpu.SM_CLOCK_MHZ.value,
             HardwareSignal.ECC_DBE: Gpu.ECC_DBE_VOLATILE.value, HardwareSignal.XID: Gpu.XID_EVENTS.value,
-            HardwareSignal.ECC_SBE_RISING: Gpu.ECC_SBE_VOLATILE.value, HardwareSignal.ROW_REMAP: "remapped_rows"}
+            HardwareSignal.ECC_SBE_RISING: Gpu.ECC_SBE_VOLATILE.value, HardwareSignal.ROW_REMAP: "remapped_rows",
+            HardwareSignal.DRIVER_ERROR: "message"}
     return tuple(dict.fromkeys(cols[s] for s in signals))
 
 

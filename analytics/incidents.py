@@ -123,6 +123,10 @@ class HardwareSignal(StrEnum):
     """Corrected (single-bit) ECC errors rising during the run on this device, not on the others."""
     ROW_REMAP = "row_remap"
     """New remapped rows or retired pages during the run (the memory took a faulty row out of use)."""
+    DRIVER_ERROR = "driver_error"
+    """The rank's own error event carries the CUDA driver's report of a hardware fault on its device (uncorrectable
+    ECC or NVLink error, the GPU fallen off the bus, a hardware XID): direct evidence even when the rank died before
+    its NVML sampler read the counters."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -803,6 +803,8 @@ def _cases() -> tuple[DecisionCase, ...]:
     dbe_fail = _inc(F, (3,), Cause.EXCEPTION, subject=dev_subject, hardware=(HW.ECC_DBE, HW.XID))
     add("failstop-device-fault-agree-idem-dp", dbe_fail, _gate(_A), _I, _DP)
     add("failstop-device-fault-nogate", dbe_fail, None, _Q, _FIX)
+    add("failstop-device-fault-driver-error-nogate",
+        _inc(F, (3,), Cause.EXCEPTION, subject=dev_subject, hardware=(HW.DRIVER_ERROR,)), None, _Q, _FIX)
 
     add("hang-back-agree-idem", hang, _gate(_A, _JOB), _I, _FIX)
     add("hang-back-agree-notidem", hang, _gate(_A, _JOB), _N, _DP)

@@ -10,7 +10,8 @@ author who never read them: its own step physics and noise model, 31 phenomena a
 per-scenario misses are not read to change them. A figure worth reporting is the held-out one. A held-out split is
 spent once its misses were printed: a detector change after that is found and checked on tune-range seeds and
 measured on the next fresh split, never on a spent one again: `heldout` was spent on 2026-12-01, then `heldout2`
-(seeds 800,000..899,999); the next fresh split is `heldout3` (seeds 700,000..799,999).
+(seeds 800,000..899,999), then `heldout3` (seeds 700,000..799,999); the next fresh split is `heldout4` (seeds
+600,000..699,999).
 
 `--extra KIND:LAYOUTS[:COUNT]` (repeatable; with `--split tune` only) scores ad-hoc tune-range scenarios in place of
 the split's: COUNT (default: one per layout) scenarios of KIND, over the layouts in turn (DPxTPxPP, comma-separated),
@@ -29,7 +30,12 @@ does (clock auto), and matches the incidents against the scenario's ground-truth
 
 - an incident matches a label when the class is the same and the subject is the same or the ranks overlap;
 - per class: precision = matched incidents / incidents, recall = matched labels / labels, F1;
-- localization accuracy = matched labels whose incident names the exact subject (kind and id) / matched labels;
+- localization accuracy = matched labels whose incident names the exact subject (kind and id) / matched labels; a
+  slow-link label of the independent source also lists the links no transfer of its run can tell apart from it
+  (`indistinguishable`: every link slowing exactly the same rings and stage-to-stage sends, from the generator's
+  world, not from the detectors). Where that set has more than one link the pair is beyond the data, and an incident
+  naming exactly that set ('a<->b | c<->d ...') localizes it; a larger or smaller set, or a wrong pair, does not.
+  The report counts those labels and how many the pair itself localized;
 - detection latency = detection_step - labeled onset step, for matched stragglers;
 - false incidents on clean controls = every incident raised in a scenario that expects none;
 - cause accuracy = matched stragglers whose incident names the labeled cause / matched stragglers with a known
@@ -136,6 +142,16 @@ def _generated(run: Path, seed: int, timing: str) -> bool:
     return labels.get("seed") == seed and labels.get("timing") == timing
 
 
+def _localized(label: dict[str, Any], inc: dict[str, Any]) -> bool:
+    """The incident names the label's subject, or — for a link the data cannot tell apart from others — exactly the
+    set of links indistinguishable from it (see the module docstring)."""
+    if (label["subject_kind"], str(label["subject"])) == (inc["subject_kind"], str(inc["subject"])):
+        return True
+    tied = sorted(str(x) for x in label.get("indistinguishable") or ())
+    return (label["subject_kind"] == inc["subject_kind"] == "link" and len(tied) > 1
+            and sorted(str(inc["subject"]).split(" | ")) == tied)
+
+
 def _matches(label: dict[str, Any], inc: dict[str, Any]) -> bool:
     if label["class"] != inc["class"]:
         return False
@@ -177,6 +193,9 @@ class Score:
     """'scenario: device' per quarantined device no label of its run marks device_fault."""
     missed_quarantines: list[str] = field(default_factory=list)
     """'scenario: device' per device_fault label whose device the policy did not quarantine."""
+    link_sets: tuple[int, int] = (0, 0)
+    """(matched slow-link labels localized by naming exactly their indistinguishable set, matched slow-link labels
+    whose set has more than one link)."""
 
     def failures(self) -> list[str]:
         out = [f"{k}: F1 {t.f1()[2]:.3f} < {TARGET_F1}" for k, t in sorted(self.tallies.items())
@@ -223,6 +242,7 @@ def score(outcomes: list[Outcome]) -> Score:
     misses: list[str] = []
     causes = [0, 0]
     device_causes = [0, 0]
+    link_sets = [0, 0]
     wrongful: list[str] = []
     missed_q: list[str] = []
     device_faults = 0
@@ -244,7 +264,10 @@ def score(outcomes: list[Outcome]) -> Score:
             used.add(hit)
             inc = o.incidents[hit]
             t.found += 1
-            if (label["subject_kind"], str(label["subject"])) == (inc["subject_kind"], str(inc["subject"])):
+            if len(label.get("indistinguishable") or ()) > 1:
+                link_sets[1] += 1
+                link_sets[0] += _localized(label, inc) and " | " in str(inc["subject"])
+            if _localized(label, inc):
                 t.localized += 1
             else:
                 misses.append(f"{o.scenario}: {label['class']} localized to {inc['subject_kind']}:{inc['subject']}, "
@@ -272,7 +295,7 @@ def score(outcomes: list[Outcome]) -> Score:
     return Score(tallies=tallies, localization=localization, controls=sum(1 for o in outcomes if not o.expected),
                  clean_false=clean_false, latencies=latencies, causes=(causes[0], causes[1]),
                  device_causes=(device_causes[0], device_causes[1]), misses=misses, device_faults=device_faults,
-                 wrongful=wrongful, missed_quarantines=missed_q)
+                 wrongful=wrongful, missed_quarantines=missed_q, link_sets=(link_sets[0], link_sets[1]))
 
 
 def _ratio(pair: tuple[int, int]) -> str:
@@ -305,6 +328,7 @@ def report(scores: dict[Any, Score]) -> int:
          if s.latencies else "-"),
         ("straggler cause accuracy (known causes)", lambda s: _ratio(s.causes)),
         (f"host_stall vs device_slow (target >= {TARGET_DEVICE_CAUSE})", lambda s: _ratio(s.device_causes)),
+        ("links beyond the data: named as their exact set", lambda s: _ratio(s.link_sets)),
         ("wrongful quarantines (target 0)", lambda s: str(len(s.wrongful))),
         (f"device faults quarantined (target >= {TARGET_QUARANTINED})",
          lambda s: _ratio((s.device_faults - len(s.missed_quarantines), s.device_faults))),
@@ -344,7 +368,7 @@ def main() -> int:
     ap.add_argument("--source", choices=("sim", "independent"), default="sim",
                     help="sim: simulator.standard_suite() (written beside the detectors); independent: "
                          "benchmarks/independent (written apart from them), with --split")
-    ap.add_argument("--split", choices=("tune", "heldout", "heldout2", "heldout3"), default="tune",
+    ap.add_argument("--split", choices=("tune", "heldout", "heldout2", "heldout3", "heldout4"), default="tune",
                     help="independent source only: tune seeds (may be looked at while tuning) or held-out seeds "
                          "(run only for the reported figure, never while tuning)")
     ap.add_argument("--extra", action="append", default=[], metavar="KIND:LAYOUTS[:COUNT]",

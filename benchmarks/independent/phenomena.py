@@ -190,7 +190,7 @@ def _slow_link(draw: Draw, rng: np.random.Generator, intermittent: bool) -> None
     a, b = link.split("<->")
     ranks = w.ranks_of_host(w.hosts.index(a)) + w.ranks_of_host(w.hosts.index(b))
     _label(draw, "straggler", "link", link, ranks, s0, "slow_link", bandwidth_factor=round(factor, 3),
-           **({"intermittent": True} if intermittent else {}))
+           indistinguishable=w.indistinguishable_links(link), **({"intermittent": True} if intermittent else {}))
 
 
 def slow_link_persistent(draw: Draw, rng: np.random.Generator) -> None:

@@ -6,7 +6,9 @@ Seed ranges (disjoint; a scenario's seed decides its layout, magnitudes, onsets 
 - ``heldout``: seeds 900_000 .. 999_999 (`HELDOUT_SEEDS`). Never run these while tuning; their figure is the one
   reported. Spent: run once (2026-12-01) and its misses printed; a fix made after that run (found and checked on
   tune-range seeds) is measured on the next fresh split, not on this one again.
-- ``heldout2``: seeds 800_000 .. 899_999 (`HELDOUT2_SEEDS`), the fresh held-out split for the figure after that.
+- ``heldout2``: seeds 800_000 .. 899_999 (`HELDOUT2_SEEDS`), the held-out split for the figure after that (spent).
+- ``heldout3``: seeds 700_000 .. 799_999 (`HELDOUT3_SEEDS`), spent likewise.
+- ``heldout4``: seeds 600_000 .. 699_999 (`HELDOUT4_SEEDS`), the fresh one.
 
 Each split holds every phenomenon of `phenomena.KINDS` `PER_KIND` times and `CLEAN` clean controls (no expected
 incident, benign variation only), on 64..2048 ranks (mostly 64..256; `BIG` runs of 1024..2048).
@@ -34,7 +36,9 @@ TUNE_SEEDS = range(100_000, 200_000)
 HELDOUT_SEEDS = range(900_000, 1_000_000)
 HELDOUT2_SEEDS = range(800_000, 900_000)
 HELDOUT3_SEEDS = range(700_000, 800_000)
-SPLITS = {"tune": TUNE_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS, "heldout3": HELDOUT3_SEEDS}
+HELDOUT4_SEEDS = range(600_000, 700_000)
+SPLITS = {"tune": TUNE_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS, "heldout3": HELDOUT3_SEEDS,
+          "heldout4": HELDOUT4_SEEDS}
 TIMINGS = ("cpu", "gpu")
 PER_KIND = 4
 CLEAN = 14

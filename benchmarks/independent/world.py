@@ -134,12 +134,30 @@ class World:
         return list(range(host * RANKS_PER_HOST, (host + 1) * RANKS_PER_HOST))
 
     def inter_host_links(self) -> list[str]:
-        """Links some dp or pp group crosses (candidates for a slow link)."""
-        found: set[str] = set()
+        """Links some transfer a link slowdown slows crosses (candidates for a slow link; see `link_traffic`)."""
+        return sorted(self.link_traffic())
+
+    def link_traffic(self) -> dict[str, frozenset[str]]:
+        """Inter-host link -> the transfers a slowdown of it slows, as timeline.py models them: every data-parallel
+        ring that crosses it, and every stage-to-stage send (stage k-1's rank to stage k's of the same replica and
+        tp index) across it. A pipeline group's ring wrap (last stage to first) carries no send and so no signal."""
+        out: dict[str, set[str]] = {}
         for g in self.groups[1:]:
-            if g.kind in (GroupKind.DP, GroupKind.PP):
-                found.update(g.links)
-        return sorted(found)
+            if g.kind is GroupKind.DP:
+                for link in g.links:
+                    out.setdefault(link, set()).add(g.name)
+        step = self.dp * self.tp
+        for r in range(step, self.n):
+            a, b = self.host_of(r - step), self.host_of(r)
+            if a != b:
+                out.setdefault(link_name(a, b), set()).add(f"send {r - step}->{r}")
+        return {k: frozenset(v) for k, v in out.items()}
+
+    def indistinguishable_links(self, link: str) -> list[str]:
+        """The links a slowdown of `link` cannot be told apart from by any transfer (those slowing exactly the same
+        transfers), `link` among them: the most a link answer can name from this run's data."""
+        traffic = self.link_traffic()
+        return sorted(other for other, t in traffic.items() if t == traffic[link])
 
     def grid(self, a: np.ndarray) -> np.ndarray:
         """View a (..., n) array as (..., pp, dp, tp)."""

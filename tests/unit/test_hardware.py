@@ -149,6 +149,42 @@ def test_a_fail_stop_at_an_uncorrectable_ecc_error_names_the_device() -> None:
     assert "ecc_dbe_volatile" in inc.fields and inc.evidence[-1].rows[0][:2] == (4, 40)
 
 
+def _with_events(frames: Frames, *rows: tuple[int, int, str], nvml: bool = True) -> Frames:
+    ev = pl.DataFrame([{"rank": r, "step": s, "kind": "exception", "exc_type": "RuntimeError", "message": m}
+                       for r, s, m in rows])
+    return Frames.build(topology=frames.topology, steps=frames.steps, gpu=frames.gpu if nvml else None, events=ev)
+
+
+@pytest.mark.parametrize("nvml", [True, False], ids=["nvml", "no-nvml"])
+def test_a_rank_dead_of_an_ecc_error_its_sampler_never_read_names_the_device_from_its_own_error(nvml: bool) -> None:
+    # the rank died inside the step: no NVML sample after the error, only the CUDA error text it raised
+    frames = _with_events(_frames(), (4, 41, "CUDA error: uncorrectable ECC error encountered"),
+                          (5, 41, "NCCL watchdog: collective timed out waiting for rank 4"), nvml=nvml)
+    inc, other = attribute_device_faults(frames, [_failstop(4, 41), _failstop(5, 43)])
+    assert inc.subject == Subject(kind=SubjectKind.DEVICE, id=_uuid(4)) and inc.hardware == (HW.DRIVER_ERROR,)
+    assert inc.device_fault and inc.evidence[-1].source == "events" and "uncorrectable ECC" in inc.evidence[-1].rows[0][2]
+    assert other == _failstop(5, 43)  # the peer's timeout is not its device's
+
+
+@pytest.mark.parametrize(("text", "hardware"), [
+    ("CUDA error: unspecified launch failure", False),
+    ("CUDA error: an illegal memory access was encountered", False),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+    ("NVRM: Xid (PCI:0000:3b:00): 13, Graphics SM Warp Exception", False),
+    ("NVRM: Xid 79, GPU has fallen off the bus", True),
+    ("NVRM: Xid (PCI:0000:3b:00): 48, An uncorrectable double bit error", True),
+    ("CUDA error: uncorrectable NVLink error detected during the execution", True),
+])
+def test_only_the_drivers_words_for_a_hardware_fault_implicate_the_device(text: str, hardware: bool) -> None:
+    (inc,) = attribute_device_faults(_with_events(_frames(), (2, 30, text)), [_failstop(2, 30)])
+    assert inc.device_fault is hardware and (inc.subject.kind is SubjectKind.DEVICE) is hardware
+
+
+def test_a_driver_error_far_from_the_incident_does_not_explain_it() -> None:
+    frames = _with_events(_frames(), (2, 5, "CUDA error: uncorrectable ECC error encountered"))
+    assert attribute_device_faults(frames, [_failstop(2, 50)]) == (_failstop(2, 50),)
+
+
 def test_an_error_long_before_a_fail_stop_is_its_own_incident() -> None:
     frames = _frames(dbe={4: 5})
     fail, own = attribute_device_faults(frames, [_failstop(4, 50)])

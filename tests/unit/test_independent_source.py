@@ -18,11 +18,13 @@ from rankwatch.collector.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from independent import HELDOUT2_SEEDS, HELDOUT_SEEDS, TUNE_SEEDS, Scenario, generate, scenarios  # noqa: E402
+from independent.suite import SPLITS  # noqa: E402
 from independent import phenomena  # noqa: E402
 from independent.noise import healthy  # noqa: E402
 from independent.tables import Builder  # noqa: E402
 from independent.timeline import simulate  # noqa: E402
 from independent.world import World  # noqa: E402
+from detection import _localized  # noqa: E402
 
 sys.path.remove(str(ROOT / "benchmarks"))
 
@@ -101,6 +103,45 @@ def test_suite_splits_and_coverage() -> None:
     assert [s.dp for s in scenarios("tune", "cpu")] != [s.dp for s in scenarios("heldout", "cpu")]
     with pytest.raises(ValueError):
         scenarios("train", "cpu")
+
+
+def test_every_split_is_disjoint_from_the_others() -> None:
+    ranges = list(SPLITS.values())
+    assert len(ranges) >= 5
+    for i, a in enumerate(ranges):
+        assert all(not set(a) & set(b) for b in ranges[i + 1:])
+
+
+@pytest.mark.parametrize(("dp", "tp", "pp"), [(16, 4, 1), (8, 4, 2), (4, 4, 4), (16, 1, 8), (32, 2, 1)])
+def test_a_slow_link_candidate_carries_traffic_and_its_label_names_what_the_data_cannot_tell_apart(
+    dp: int, tp: int, pp: int
+) -> None:
+    w = World(dp, tp, pp, 5)
+    traffic = w.link_traffic()
+    assert w.inter_host_links() and all(traffic[link] for link in w.inter_host_links())
+    for link in w.inter_host_links():
+        tied = w.indistinguishable_links(link)
+        assert link in tied and all(traffic[t] == traffic[link] for t in tied)
+        if any(x.startswith("send ") for x in traffic[link]):
+            assert tied == [link]  # a stage-to-stage send crosses this link alone: the pair is in the data
+    if pp == 1:  # every data-parallel ring crosses every host's links alike: no single pair can be told
+        assert all(len(w.indistinguishable_links(link)) == w.n_hosts for link in w.inter_host_links())
+    if pp >= 3:  # rank 0's pipeline ring wraps from the last stage to the first: no send, never a candidate
+        first, last = w.host_of(0), w.host_of(w.rank_of(pp - 1, 0, 0))
+        assert first != last and f"{first}<->{last}" not in w.inter_host_links()
+
+
+def test_a_link_set_localizes_only_when_it_is_exactly_what_the_data_cannot_tell_apart() -> None:
+    label = {"subject_kind": "link", "subject": "h1<->h2", "indistinguishable": ["h0<->h1", "h1<->h2", "h0<->h2"]}
+    inc = {"subject_kind": "link"}
+    assert _localized(label, {**inc, "subject": "h1<->h2"})
+    assert _localized(label, {**inc, "subject": "h0<->h1 | h0<->h2 | h1<->h2"})
+    assert not _localized(label, {**inc, "subject": "h0<->h1 | h1<->h2"})
+    assert not _localized(label, {**inc, "subject": "h0<->h1 | h0<->h2 | h1<->h2 | h2<->h3"})
+    assert not _localized(label, {**inc, "subject": "h0<->h1"})
+    alone = {**label, "indistinguishable": ["h1<->h2"]}
+    assert not _localized(alone, {**inc, "subject": "h1<->h2 | h2<->h3"})
+    assert not _localized({**label, "indistinguishable": None}, {**inc, "subject": "h0<->h1 | h0<->h2 | h1<->h2"})
 
 
 def _slow_run(tmp_path: Path, timing: str) -> tuple[Path, int]:
