@@ -79,6 +79,9 @@ class ViewSummary:
     signature: tuple[int, int, int]
     """`telemetry_signature` of the telemetry the views were computed from."""
     built_wall_ns: int
+    ended: bool = False
+    """Every rank recorded its exit (an `exit` event) in its latest attempt: no rank was running when the views
+    were built (False for views stored before the field)."""
 
     @property
     def goodput(self) -> float:
@@ -298,6 +301,15 @@ def fingerprint_summary(frames: Frames) -> pl.DataFrame:
                                       "fields": pl.String, "disagreeing": pl.String}).sort("domain", _S)
 
 
+def _ended(frames: Frames) -> bool:
+    """Every rank's latest attempt (liveness) recorded its exit."""
+    live, ev = frames.liveness, frames.events
+    if live.height == 0 or ev.height == 0:
+        return False
+    exits = ev.filter(pl.col("kind") == "exit").select(_R, "attempt").unique()
+    return live.select(_R, "attempt").join(exits, on=[_R, "attempt"], how="anti").height == 0
+
+
 def build_views(frames: Frames, incidents: Sequence[Incident], *, run_dir: Path | str,
                 warnings: Sequence[str] = (), since_step: int | None = None,
                 con: duckdb.DuckDBPyConnection | None = None) -> RunViews:
@@ -318,7 +330,7 @@ def build_views(frames: Frames, incidents: Sequence[Incident], *, run_dir: Path 
         steps_per_s=(per_step.height / wall) if per_step is not None and wall > 0 else 0.0,
         incidents=len(incidents), warnings=tuple(warnings), since_step=since_step, layout=layout,
         hosts=int(topo["host"].n_unique()) if topo.height else 0, signature=telemetry_signature(run_dir),
-        built_wall_ns=time.time_ns())
+        built_wall_ns=time.time_ns(), ended=_ended(frames))
     out = {
         "progress": progress_frame(frames), "rank_steps": rank_steps(frames),
         "leaderboard": leaderboard(frames, incidents), "collectives": collective_progress(con, frames),
@@ -366,9 +378,10 @@ def write_views(views: RunViews, out: Path | None = None) -> Path:
 
 
 class ViewStore:
-    """Stored views of one run, each frame read when first asked for."""
+    """Stored views of one run, each frame read when first asked for. `run_dir` is the run folder they were opened
+    for (a run copied or moved elsewhere keeps views that name the folder they were built in)."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, run_dir: Path | str | None = None):
         self.folder = folder
         path = folder / MANIFEST
         try:
@@ -381,10 +394,11 @@ class ViewStore:
             raise RunDirError(f"{path}: unreadable views manifest ({type(exc).__name__}: {exc})") from None
         self._frames: dict[str, pl.DataFrame] = {}
         self._incidents: tuple[Incident, ...] | None = None
+        self._run_dir = Path(run_dir if run_dir is not None else self.summary.run_dir)
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.summary.run_dir)
+        return self._run_dir
 
     def frame(self, name: str) -> pl.DataFrame:
         if name not in self.names:
@@ -423,7 +437,7 @@ def stored_views(run_dir: Path | str) -> ViewStore | None:
     """The run's stored views (in the run, else in the user's cache), or None when none were stored."""
     for d in (views_dir(run_dir), _fallback_dir(run_dir)):
         if (d / MANIFEST).exists():
-            return ViewStore(d)
+            return ViewStore(d, run_dir)
     return None
 
 
@@ -443,7 +457,7 @@ def ensure_views(run_dir: Path | str, *, refresh: bool = False,
     kwargs = {} if progress is None else {"progress": progress}
     analysis = analyze(run, config=AnalysisConfig(views=True), **kwargs)
     assert analysis.views is not None
-    return ViewStore(write_views(analysis.views))
+    return ViewStore(write_views(analysis.views), run)
 
 
 # ---------------------------------------------------------------------------- what is not in the telemetry

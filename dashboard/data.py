@@ -82,14 +82,18 @@ def key(store: views.ViewStore) -> tuple[str, int]:
 
 
 def is_live(run_dir: str, built: int) -> bool:
-    """The telemetry grew since the views were built, or was written within `RANKWATCH_DASHBOARD_LIVE_S`."""
+    """The telemetry grew since the views were built, or was written within `RANKWATCH_DASHBOARD_LIVE_S` by a run
+    not every rank of which had exited when the views were built."""
     return _is_live(run_dir, built, float(os.environ.get(LIVE_ENV, "60")))
 
 
 @st.cache_data(ttl=_FILES_TTL_S, max_entries=64, show_spinner=False)
 def _is_live(run_dir: str, built: int, recent_s: float) -> bool:
     sig = views.telemetry_signature(run_dir)
-    return sig != _store(run_dir, built).summary.signature or time.time_ns() - sig[2] < recent_s * 1e9
+    summary = _store(run_dir, built).summary
+    if sig != summary.signature:
+        return True
+    return not summary.ended and time.time_ns() - sig[2] < recent_s * 1e9
 
 
 @st.cache_data(ttl=2, max_entries=16, show_spinner=False)

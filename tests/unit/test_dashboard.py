@@ -4,6 +4,8 @@ link), unreadable runs as one-line errors, and localization across two runs."""
 from __future__ import annotations
 
 import os
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -57,9 +59,23 @@ def test_progress_metrics(monkeypatch: pytest.MonkeyPatch, run: Path) -> None:
     assert at.dataframe[0].value.shape[0] == 16
 
 
-def test_progress_live_when_telemetry_changed(monkeypatch: pytest.MonkeyPatch, run: Path) -> None:
+def test_a_finished_run_is_not_live_however_recent(monkeypatch: pytest.MonkeyPatch, run: Path) -> None:
+    assert views.ensure_views(run).summary.ended  # every rank recorded its exit
     at = _app(monkeypatch, run)
     monkeypatch.setenv(LIVE_ENV, "3600")
+    at.run()
+    assert not at.exception, at.exception
+    assert "Live:" not in _text(at) and "not being written" in _text(at)
+
+
+def test_progress_live_when_telemetry_changed(monkeypatch: pytest.MonkeyPatch, run: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    views.ensure_views(copy, refresh=True)
+    part = next((copy / "telemetry" / "steps").glob("rank=*"))
+    time.sleep(0.01)
+    shutil.copy(next(part.glob("*.parquet")), part / "part-new.parquet")  # a rank published a part since
+    at = _app(monkeypatch, copy)
     at.run()
     assert not at.exception, at.exception
     assert "Live:" in _text(at)

@@ -134,6 +134,18 @@ def test_collective_progress_names_the_hung_rank(tmp_path: Path) -> None:
     assert set(behind["rank"]) == {6, 7, 14, 15}
     assert set(col.filter(pl.col("missing"))["rank"]) == {6}
     assert set(col.filter(pl.col("waiting"))["rank"]) == set(range(16)) - {6}  # every other rank waits somewhere
+    assert not views.ensure_views(run).summary.ended  # the hung rank never exited
+
+
+def test_views_of_a_copied_run_belong_to_the_copy_and_say_it_ended(run: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "moved"
+    shutil.copytree(run, copy)
+    store = views.ensure_views(copy)
+    assert store.run_dir == copy and store.summary.run_dir == str(run)  # views built elsewhere, read for the copy
+    assert store.summary.ended and not store.stale()
+    part = next((copy / "telemetry" / "steps").glob("rank=*"))
+    shutil.copy(next(part.glob("*.parquet")), part / "part-new.parquet")
+    assert store.stale() and not views.stored_views(run).stale()  # the copy changed, not the original
 
 
 def test_stale_views_are_told_and_rebuilt(run: Path, tmp_path: Path) -> None:
