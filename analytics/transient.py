@@ -7,12 +7,14 @@ persistence) and no fail-stop or hang (the rank came back and the run finished).
 when, for how long, and where the peers waited — because it recurs, it costs the whole job its duration, and a
 longer one would have hit the process-group timeout.
 
-A step s of rank r is a stall when its own time (compute plus dataloader wait on the CPU clock; device compute on
-the device clock) is at least `min_heartbeats` heartbeat intervals, at least `step_factor` times the run's median own
-time, and at least `peer_factor` times the median own time of the other ranks at the same step, while most of those
-ranks spent at least `wait_share` of that time waiting in collectives (the others waited for r; a stall that every
-rank shares, a job-wide pause, is not one rank's). Consecutive stalled steps of one rank are one incident. A rank
-whose last step is the stall is left to the fail-stop and hang detector (it may not have come back).
+A step s of rank r is a stall when its own time (compute plus dataloader wait on the CPU clock; device compute less
+the step's checkpoint time on the device clock, where a GPU idling through the host's save counts as the step's
+device time) exceeds the median own time of the other ranks at the same step by at least `min_heartbeats` heartbeat
+intervals and at least `step_factor` times the run's median own time, while most of those ranks spent at least `wait_share` of that excess waiting in collectives (the others
+waited for r). The excess over the peers at the same step, not the ratio, is what counts: a freeze during a step
+every rank also spends seconds in (a checkpoint, a job-wide pause) is still the frozen rank's, and a pause every
+rank shares is nobody's. Consecutive stalled steps of one rank are one incident. A rank whose last step is the
+stall is left to the fail-stop and hang detector (it may not have come back).
 """
 
 from __future__ import annotations
@@ -34,16 +36,15 @@ class TransientConfig:
     """Thresholds of the transient-stall detector."""
 
     min_heartbeats: float = 3.0
-    """A stalled step's own time is at least this many heartbeat intervals (seconds-long, not a slow step)."""
+    """A stalled step's own time exceeds its peers' at the same step by at least this many heartbeat intervals
+    (seconds-long, not a slow step) ..."""
     step_factor: float = 20.0
-    """... and at least this many times the run's median own time per step ..."""
-    peer_factor: float = 10.0
-    """... and at least this many times the median own time of the other ranks at that step."""
+    """... and by at least this many times the run's median own time per step."""
     wait_share: float = 0.5
     """Most other ranks waited in collectives for at least this share of the stalled rank's excess."""
 
     def __post_init__(self) -> None:
-        for name in ("min_heartbeats", "step_factor", "peer_factor"):
+        for name in ("min_heartbeats", "step_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransientConfig.{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 < self.wait_share <= 1.0:
@@ -57,7 +58,10 @@ def detect_transient_stalls(frames: Frames, config: TransientConfig = TransientC
         return ()
     device = frames.clock is Clock.DEVICE
     own = pl.col("compute_ns").cast(pl.Float64)
-    if not device:
+    if device:
+        ckpt = pl.col("checkpoint_ns").fill_null(0).cast(pl.Float64) if "checkpoint_ns" in steps.columns else pl.lit(0.0)
+        own = (own - ckpt).clip(lower_bound=0.0)
+    else:
         own = own + pl.col("dataloader_wait_ns").fill_null(0).cast(pl.Float64)
     t = steps.filter(pl.col("compute_ns").is_not_null()).select(
         _R, _S, "end_wall_ns", own.alias("own"), pl.col("collective_wait_ns").fill_null(0).cast(pl.Float64).alias("wait"))
@@ -71,14 +75,17 @@ def detect_transient_stalls(frames: Frames, config: TransientConfig = TransientC
     last = t.group_by(_R).agg(pl.col(_S).max().alias("last"))
     incidents: list[Incident] = []
     stalls: list[tuple[int, int, float, float, float, int]] = []
-    for rank, step, own_ns in cand.select(_R, _S, "own").iter_rows():
-        peers = t.filter((pl.col(_S) == step) & (pl.col(_R) != rank))
+    at_step: dict[int, pl.DataFrame] = {}
+    for rank, step, own_ns in cand.sort(_S).select(_R, _S, "own").iter_rows():
+        if step not in at_step:  # one read of each candidate step (a job-wide pause makes every rank a candidate)
+            at_step = {step: t.filter(pl.col(_S) == step)}
+        peers = at_step[step].filter(pl.col(_R) != rank)
         if peers.height == 0:
             continue
         peer_own = float(peers.get_column("own").median() or 0.0)  # type: ignore[arg-type]
-        if own_ns < config.peer_factor * max(peer_own, 1.0):
-            continue
         excess = own_ns - peer_own
+        if excess < floor:
+            continue
         waited = peers.filter(pl.col("wait") >= config.wait_share * excess)
         if waited.height * 2 <= peers.height:
             continue

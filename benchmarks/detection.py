@@ -35,7 +35,9 @@ does (clock auto), and matches the incidents against the scenario's ground-truth
   (`indistinguishable`: every link slowing exactly the same rings and stage-to-stage sends, from the generator's
   world, not from the detectors). Where that set has more than one link the pair is beyond the data, and an incident
   naming exactly that set ('a<->b | c<->d ...') localizes it; a larger or smaller set, or a wrong pair, does not.
-  The report counts those labels and how many the pair itself localized;
+  The report counts those labels and how many the pair itself localized. A replica of one rank is that rank:
+  `replica:dp=k` and `rank:N` name the same subject when N is replica k's only rank (the two sources name it
+  differently, and a detector may use either);
 - detection latency = detection_step - labeled onset step, for matched stragglers;
 - false incidents on clean controls = every incident raised in a scenario that expects none;
 - cause accuracy = matched stragglers whose incident names the labeled cause / matched stragglers with a known
@@ -147,6 +149,10 @@ def _localized(label: dict[str, Any], inc: dict[str, Any]) -> bool:
     set of links indistinguishable from it (see the module docstring)."""
     if (label["subject_kind"], str(label["subject"])) == (inc["subject_kind"], str(inc["subject"])):
         return True
+    one = {label["subject_kind"], inc["subject_kind"]} == {"rank", "replica"}
+    if one and [int(r) for r in label["ranks"]] == [int(r) for r in inc["ranks"]] and len(label["ranks"]) == 1:
+        rank = label if label["subject_kind"] == "rank" else inc
+        return str(rank["subject"]) == str(int(label["ranks"][0]))
     tied = sorted(str(x) for x in label.get("indistinguishable") or ())
     return (label["subject_kind"] == inc["subject_kind"] == "link" and len(tied) > 1
             and sorted(str(inc["subject"]).split(" | ")) == tied)
@@ -274,6 +280,10 @@ def score(outcomes: list[Outcome]) -> Score:
                               f"expected {label['subject_kind']}:{label['subject']}")
             if label["class"] == "straggler" and inc["detection_step"] is not None and label["onset_step"] is not None:
                 latencies.append(int(inc["detection_step"]) - int(label["onset_step"]))
+                if latencies[-1] > TARGET_LATENCY_STEPS:
+                    misses.append(f"{o.scenario}: straggler {inc['subject_kind']}:{inc['subject']} detected at step "
+                                  f"{inc['detection_step']}, {latencies[-1]} steps after its onset "
+                                  f"{label['onset_step']}")
             if label["class"] == "straggler" and label["cause"] != "unknown":
                 right = inc["cause"] == label["cause"]
                 causes[0] += right

@@ -144,6 +144,15 @@ def test_a_link_set_localizes_only_when_it_is_exactly_what_the_data_cannot_tell_
     assert not _localized({**label, "indistinguishable": None}, {**inc, "subject": "h0<->h1 | h0<->h2 | h1<->h2"})
 
 
+def test_a_replica_of_one_rank_is_that_rank() -> None:
+    label = {"subject_kind": "replica", "subject": "dp=93", "ranks": [93]}
+    assert _localized(label, {"subject_kind": "rank", "subject": "93", "ranks": [93]})
+    assert not _localized(label, {"subject_kind": "rank", "subject": "94", "ranks": [94]})
+    assert not _localized({**label, "ranks": [93, 94]}, {"subject_kind": "rank", "subject": "93", "ranks": [93]})
+    assert _localized({"subject_kind": "rank", "subject": "7", "ranks": [7]},
+                      {"subject_kind": "replica", "subject": "dp=7", "ranks": [7]})
+
+
 def _slow_run(tmp_path: Path, timing: str) -> tuple[Path, int]:
     """A run with rank 5 50 % slower from step 10 (device work), built below the phenomena layer."""
     world = World(4, 2, 2, 99)

@@ -17,21 +17,28 @@ pytestmark = pytest.mark.timeout(60)
 
 def _frames(*, ranks: int = 4, steps: int = 30, stall: dict[tuple[int, int], float] | None = None,
             everyone: set[int] = frozenset(), until: dict[int, int] | None = None,  # type: ignore[assignment]
-            clock: Clock = Clock.CPU) -> Frames:
-    """43 ms steps; `stall[(rank, step)]` = seconds that rank froze at that step (its peers waited as long)."""
+            clock: Clock = Clock.CPU, ckpt: dict[tuple[int, int], float] | None = None) -> Frames:
+    """43 ms steps; `stall[(rank, step)]` = seconds that rank froze at that step (its peers waited as long);
+    `ckpt[(rank, step)]` = seconds of checkpoint in that step (on the device clock the idle GPU's compute holds it;
+    a rank whose save is longer than the others' keeps them waiting as long)."""
     stall = stall or {}
     until = until or {}
+    ckpt = ckpt or {}
     rows = []
     for s in range(steps):
         frozen = {r: sec for (r, st), sec in stall.items() if st == s}
         for r in range(ranks):
             if s > until.get(r, steps):
                 continue
+            saves = {k: v for (k, st), v in ckpt.items() if st == s}
             own = 40 * MS + int(frozen.get(r, 0) * 1e9) + (int(20e9) if s in everyone else 0)
             wait = 3 * MS + int(max((v for k, v in frozen.items() if k != r), default=0) * 1e9)
+            save = int(saves.get(r, 0) * 1e9)
+            wait += int((max(saves.values(), default=0) - saves.get(r, 0)) * 1e9)
+            own += save if clock is Clock.DEVICE else 0
             rows.append({"rank": r, "attempt": 0, "step": s, "start_wall_ns": s * 10**9, "end_wall_ns": s * 10**9 + own,
                          "duration_ns": own + wait, "compute_ns": own, "collective_wait_ns": wait,
-                         "dataloader_wait_ns": 100_000, "checkpoint_ns": 0, "all_finite": True})
+                         "dataloader_wait_ns": 100_000, "checkpoint_ns": save, "all_finite": True})
     topo = pl.DataFrame({"rank": list(range(ranks)), "world_size": [ranks] * ranks, "pp": [0] * ranks,
                          "role": ["pp=0"] * ranks, "host": ["h0"] * ranks})
     return Frames.build(steps=pl.DataFrame(rows), topology=topo, heartbeat_interval_ns=10**9, clock=clock)
@@ -61,6 +68,19 @@ def test_what_is_not_a_transient_stall() -> None:
 def test_the_device_clock_reads_device_compute_alone() -> None:
     (inc,) = detect_transient_stalls(_frames(stall={(3, 7): 12.0}, clock=Clock.DEVICE))
     assert inc.fields[0] == "device_compute_ns" and "device clock" in inc.summary
+
+
+@pytest.mark.parametrize("clock", [Clock.CPU, Clock.DEVICE])
+def test_a_freeze_in_a_step_every_rank_spends_seconds_saving_in_is_still_found(clock: Clock) -> None:
+    everyone_saves = {(r, 10): 12.0 for r in range(4)}
+    (inc,) = detect_transient_stalls(_frames(stall={(2, 10): 20.0}, ckpt=everyone_saves, clock=clock))
+    assert inc.ranks == (2,) and inc.onset_step == 10 and "stalled for 20.0 s" in inc.summary
+
+
+def test_a_rank_whose_save_alone_is_long_is_not_a_transient_stall() -> None:
+    saves = {(r, 10): 12.0 for r in range(4)} | {(1, 10): 40.0}  # the checkpoint detector's case
+    assert detect_transient_stalls(_frames(ckpt=saves, clock=Clock.DEVICE)) == ()
+    assert detect_transient_stalls(_frames(ckpt=saves)) == ()
 
 
 def test_in_the_whole_analysis_it_is_the_only_incident() -> None:
