@@ -143,15 +143,18 @@ ANALYZED_TABLES: frozenset[Table] = frozenset(Table) - {Table.PHASES}
 """Tables the detectors read (phases are for people, not for detection)."""
 
 
-def open_run(run_dir: Path | str, *, tables: Collection[Table] = ANALYZED_TABLES, threads: int = 8) -> RunStore:
+def open_run(run_dir: Path | str, *, tables: Collection[Table] = ANALYZED_TABLES, threads: int = 8,
+             modified_since_ns: int | None = None) -> RunStore:
     """Open a run for analysis: one view per table over its readable parts. A part file that cannot be read (cut
     short, not parquet) is left out with a warning naming it; a part of an unknown schema version is an error,
     because its columns could mean something else; a run with no telemetry at all is an error. `materialize`
-    then reads what many queries share into memory once."""
+    then reads what many queries share into memory once. With `modified_since_ns`, only the parts modified since
+    then (a live reader's increment: rows newer than a snapshot are only in parts written after it)."""
     tel = telemetry_dir(run_dir)
     con = duckdb.connect()
     for _ in range(RELIST_TRIES):
-        by_table = {table: part_files(run_dir, table) for table in Table if table in tables}
+        by_table = {table: _modified_since(part_files(run_dir, table), modified_since_ns)
+                    for table in Table if table in tables}
         every = [f for files in by_table.values() for f in files]
         if not every:
             raise RunDirError(f"{tel}: no telemetry part files — the run recorded nothing (or was cut before its first "
@@ -177,6 +180,19 @@ def open_run(run_dir: Path | str, *, tables: Collection[Table] = ANALYZED_TABLES
     if not kept:
         raise RunDirError(f"{tel}: none of its {len(every)} part files is readable")
     return RunStore(con=con, warnings=tuple(warnings), parts=kept, tables=frozenset(present), files=read)
+
+
+def _modified_since(files: list[Path], since_ns: int | None) -> list[Path]:
+    if since_ns is None:
+        return files
+    out = []
+    for f in files:
+        try:
+            if f.stat().st_mtime_ns >= since_ns:
+                out.append(f)
+        except OSError:
+            continue  # replaced by a rollup meanwhile: the listing is relisted below
+    return out
 
 
 def check_store(store: RunStore, run_dir: Path | str, *, since_step: int | None = None) -> tuple[str, ...]:

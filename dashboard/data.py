@@ -97,8 +97,9 @@ def _is_live(run_dir: str, built: int, recent_s: float) -> bool:
 
 
 @st.cache_data(ttl=2, max_entries=16, show_spinner=False)
-def live_progress(run_dir: str) -> pl.DataFrame:
-    return views.live_progress(run_dir)
+def live_progress(run_dir: str, built: int) -> pl.DataFrame:
+    """Progress read from the telemetry written since the views (merged over their stored progress)."""
+    return views.live_progress(run_dir, since=_store(run_dir, built))
 
 
 @st.cache_data(ttl=_FILES_TTL_S, max_entries=64, show_spinner=False)

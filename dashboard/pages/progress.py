@@ -45,9 +45,8 @@ def _per_rank(df: pl.DataFrame) -> None:
 
 @st.fragment(run_every=_LIVE_EVERY_S)
 def _live(store: views.ViewStore) -> None:
-    run = str(store.run_dir)
     try:
-        live = data.live_progress(run)
+        live = data.live_progress(*data.key(store))
     except ValueError as exc:
         st.warning(f"Live progress unavailable ({exc}); showing the stored view.")
         live = store.frame("progress")

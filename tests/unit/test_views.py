@@ -4,10 +4,13 @@ stale or damaged input, and arranged (heatmap, collective progress, timeline, to
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import polars as pl
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 from rankwatch.analytics import views
@@ -191,3 +194,35 @@ def test_views_of_a_run_whose_folder_cannot_be_written_go_to_the_cache(run: Path
     store = views.ensure_views(copy)
     assert str(store.folder).startswith(str(tmp_path / "cache")) and store.summary.ranks == 16
     assert views.stored_views(copy) is not None and views.stored_views(copy).folder == store.folder  # type: ignore[union-attr]
+
+
+def test_live_progress_reads_what_was_written_since_the_views_and_merges_it(run: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "live"
+    shutil.copytree(run, copy)
+    store = views.ensure_views(copy)
+    # every part the views read was written before their newest record (as in a run being written)
+    old = (store.summary.end_wall_ns - 2 * views.LIVE_SKEW_NS) / 1e9
+    for part in (copy / "telemetry").rglob("*.parquet"):
+        os.utime(part, (old, old))
+    stored = store.frame("progress").select(views.live_progress(copy).columns)
+    assert views.live_progress(copy, since=store).equals(stored.sort("rank"))  # nothing new: the stored progress
+    # rank 3 then published a part with ten more steps
+    folder = copy / "telemetry" / "steps" / "rank=3"
+    t = pq.read_table(next(folder.glob("*.parquet")))
+    late = t.slice(t.num_rows - 10)
+    for col, add in (("step", 10), ("start_wall_ns", 10**10), ("end_wall_ns", 10**10)):
+        late = late.set_column(late.schema.get_field_index(col), col, pc.add(late[col], add))
+    pq.write_table(late, folder / "part-999999.parquet")
+    events = copy / "telemetry" / "events" / "rank=3"
+    shutil.copy(next(events.glob("*.parquet")), events / "part-999999.parquet")  # its events part, written anew
+    # and an old part of rank 0 (from before the views) no longer reads: only a whole read would see that
+    gone = next((copy / "telemetry" / "steps" / "rank=0").glob("*.parquet"))
+    gone.write_bytes(b"not parquet")
+    os.utime(gone, (old, old))
+    merged = views.live_progress(copy, since=store)
+    whole = views.live_progress(copy)
+    assert whole.filter(pl.col("rank") == 0)["last_step"][0] == -1
+    r3 = merged.filter(pl.col("rank") == 3).row(0, named=True)
+    assert r3["last_step"] == stored.filter(pl.col("rank") == 3)["last_step"][0] + 10
+    assert r3["last_step"] == whole.filter(pl.col("rank") == 3)["last_step"][0]
+    assert merged.filter(pl.col("rank") != 3).equals(stored.filter(pl.col("rank") != 3).sort("rank"))
