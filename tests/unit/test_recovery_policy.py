@@ -93,6 +93,10 @@ EXPECTED: dict[str, X] = {
         A.RESTART_JOB, C100,
         ("gate=none", "membership=fixed_shapes", "checkpoint=step-00000100", "hardware=ecc_dbe,xid",
          "-> restart job from step-00000100"), "ranks [3] lost", also=(A.QUARANTINE,)),
+    "failstop-device-fault-driver-error-nogate": _x(
+        A.RESTART_JOB, C100,
+        ("gate=none", "membership=fixed_shapes", "checkpoint=step-00000100", "hardware=driver_error",
+         "-> restart job from step-00000100"), "ranks [3] lost", also=(A.QUARANTINE,)),
     "hang-device-fault-unknown-spare": _x(
         A.RESTART_JOB, C100,
         ("gate=unknown", "hung ranks silent", "membership=spare_replacement", "checkpoint=step-00000100",
