@@ -196,14 +196,15 @@ def _attribute(inc: Incident, frames: Frames, errors: pl.DataFrame, rising: dict
             evidence.append(ev)
         if slow_cause is not None and inc.cause in (Cause.UNKNOWN, Cause.DEVICE_SLOW):
             cause = slow_cause
-    err_signals, ev = _error_evidence(rank, _lookback(inc, rank, anchor, frames), anchor, errors, rising, config)
+    since = _lookback(inc, rank, anchor, frames)
+    err_signals, ev = _error_evidence(rank, since, anchor, errors, rising, config)
     if set(err_signals) & _FAILING:
         signals += err_signals
         if ev is not None:
             evidence.append(ev)
         if inc.klass is IncidentClass.CORRUPTION:
             cause = Cause.HARDWARE_ERROR
-    lo, hi = _lookback(inc, rank, anchor, frames) - config.error_before_steps, anchor + config.error_after_steps
+    lo, hi = since - config.error_before_steps, anchor + config.error_after_steps
     said = driver.filter((pl.col(_R) == rank) & (pl.col(_S).is_null() | pl.col(_S).is_between(lo, hi)))
     if said.height:
         signals.append(HardwareSignal.DRIVER_ERROR)

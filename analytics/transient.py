@@ -10,8 +10,8 @@ longer one would have hit the process-group timeout.
 A step s of rank r is a stall when its own time (compute plus dataloader wait on the CPU clock; device compute less
 the step's checkpoint time on the device clock, where a GPU idling through the host's save counts as the step's
 device time) exceeds the median own time of the other ranks at the same step by at least `min_heartbeats` heartbeat
-intervals and at least `step_factor` times the run's median own time, while most of those ranks spent at least `wait_share` of that excess waiting in collectives (the others
-waited for r). The excess over the peers at the same step, not the ratio, is what counts: a freeze during a step
+intervals and at least `step_factor` times the run's median own time, while most of those ranks spent at least
+`wait_share` of that excess waiting in collectives (the others waited for r). The excess over the peers at the same step, not the ratio, is what counts: a freeze during a step
 every rank also spends seconds in (a checkpoint, a job-wide pause) is still the frozen rank's, and a pause every
 rank shares is nobody's. Consecutive stalled steps of one rank are one incident. A rank whose last step is the
 stall is left to the fail-stop and hang detector (it may not have come back).
@@ -59,8 +59,7 @@ def detect_transient_stalls(frames: Frames, config: TransientConfig = TransientC
     device = frames.clock is Clock.DEVICE
     own = pl.col("compute_ns").cast(pl.Float64)
     if device:
-        ckpt = pl.col("checkpoint_ns").fill_null(0).cast(pl.Float64) if "checkpoint_ns" in steps.columns else pl.lit(0.0)
-        own = (own - ckpt).clip(lower_bound=0.0)
+        own = (own - pl.col("checkpoint_ns").fill_null(0).cast(pl.Float64)).clip(lower_bound=0.0)
     else:
         own = own + pl.col("dataloader_wait_ns").fill_null(0).cast(pl.Float64)
     t = steps.filter(pl.col("compute_ns").is_not_null()).select(
@@ -75,11 +74,11 @@ def detect_transient_stalls(frames: Frames, config: TransientConfig = TransientC
     last = t.group_by(_R).agg(pl.col(_S).max().alias("last"))
     incidents: list[Incident] = []
     stalls: list[tuple[int, int, float, float, float, int]] = []
-    at_step: dict[int, pl.DataFrame] = {}
+    seen_step, at_step = None, t.clear()
     for rank, step, own_ns in cand.sort(_S).select(_R, _S, "own").iter_rows():
-        if step not in at_step:  # one read of each candidate step (a job-wide pause makes every rank a candidate)
-            at_step = {step: t.filter(pl.col(_S) == step)}
-        peers = at_step[step].filter(pl.col(_R) != rank)
+        if step != seen_step:  # one read of each candidate step (a job-wide pause makes every rank a candidate)
+            seen_step, at_step = step, t.filter(pl.col(_S) == step)
+        peers = at_step.filter(pl.col(_R) != rank)
         if peers.height == 0:
             continue
         peer_own = float(peers.get_column("own").median() or 0.0)  # type: ignore[arg-type]

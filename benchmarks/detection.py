@@ -74,6 +74,7 @@ from rankwatch.analytics.recovery import TargetKind, single_run_quarantines
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from independent import Scenario as IndependentScenario  # noqa: E402
 from independent import generate as generate_independent, scenarios as independent_scenarios  # noqa: E402
+from independent.suite import SPLITS  # noqa: E402
 from rankwatch.simulator import Scenario, simulate, standard_suite
 from rankwatch.simulator.config import Timing
 
@@ -378,7 +379,7 @@ def main() -> int:
     ap.add_argument("--source", choices=("sim", "independent"), default="sim",
                     help="sim: simulator.standard_suite() (written beside the detectors); independent: "
                          "benchmarks/independent (written apart from them), with --split")
-    ap.add_argument("--split", choices=("tune", "heldout", "heldout2", "heldout3", "heldout4"), default="tune",
+    ap.add_argument("--split", choices=tuple(SPLITS), default="tune",
                     help="independent source only: tune seeds (may be looked at while tuning) or held-out seeds "
                          "(run only for the reported figure, never while tuning)")
     ap.add_argument("--extra", action="append", default=[], metavar="KIND:LAYOUTS[:COUNT]",
