@@ -15,10 +15,13 @@ same pipeline stage, which should behave alike) in the same window:
     new_ecc_sbe                    log(1 + new ECC single-bit errors in the window)
 
 Each deviation becomes a robust z-score against all windows of the run: (x - median) / scale, scale = max(1.4826 *
-MAD, a per-feature floor). The floor (`_SCALE_FLOOR`) is the smallest deviation unit that is meaningful at all, so a
-run whose windows agree almost perfectly does not turn a rank 2 % slower throughout into a huge z: z = 8 on
-compute_ns means at least 8 floors = 20 % off its peers. Window medians ignore a one-step checkpoint stall, and peers
-share stalls that hit every rank, so benign variation stays near z = 0.
+MAD, a per-feature floor). The error counters and dataloader_wait_ns count upwards only (z clipped at 0): a rank
+that waits less for its data than its peers is not at fault; when the peers' loaders are held up (an in-process
+loader preempted on a busy host) the one that was not is the odd one out, and blaming it blames the healthy rank.
+The floor (`_SCALE_FLOOR`) is the smallest deviation unit that is meaningful at all, so a run whose windows agree
+almost perfectly does not turn a rank 2 % slower throughout into a huge z: z = 8 on compute_ns means at least 8
+floors = 20 % off its peers. Window medians ignore a one-step checkpoint stall, and peers share stalls that hit
+every rank, so benign variation stays near z = 0.
 
 An IsolationForest (fixed `random_state`) scores how easily a window's z-vector is isolated from the others: s in
 (0, 1), about 0.5 for an ordinary window, towards 1 for one that a few random splits separate. It always ranks some
@@ -73,7 +76,7 @@ _SCALE_FLOOR: dict[Feature, float] = {
     # z = 8 needs about 50 new single-bit errors in one window; a slow trickle is benign
     Feature.NEW_ECC_SBE: 0.5,
 }
-_ONE_SIDED = frozenset({Feature.NEW_HARD_ERRORS, Feature.NEW_ECC_SBE})
+_ONE_SIDED = frozenset({Feature.NEW_HARD_ERRORS, Feature.NEW_ECC_SBE, Feature.DATALOADER_WAIT})
 _WAITING = frozenset({Feature.COLLECTIVE_WAIT, Feature.DURATION})
 _TRIGGERS: tuple[Feature, ...] = tuple(
     f for f in FEATURES if f not in (Feature.SM_CLOCK_RATIO, Feature.TEMPERATURE, Feature.POWER))

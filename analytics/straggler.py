@@ -736,27 +736,43 @@ def _slow_ring_links(frames: Frames, config: StragglerConfig, *, known: set[str]
     pairs = pairs.with_columns(pl.col(_GROUP).is_in(sorted(slow_set)).alias("slow"))
     # "The other groups of their kind" are the kind's groups that cross some link (see the baseline above).
     crossing_any = present.filter(pl.col(_LINKS).list.len() > 0)
-    kind_tot = crossing_any.group_by(_KIND).agg(pl.len().alias("k_groups"))
-    kind_slow = crossing_any.filter(pl.col(_GROUP).is_in(sorted(slow_set))).group_by(_KIND).agg(pl.len().alias("k_slow"))
     per_link = (
         pairs.group_by(_LINKS, _KIND).agg(pl.len().alias("cross"), pl.col("slow").sum().alias("cross_slow"))
-        .join(kind_tot, on=_KIND).join(kind_slow, on=_KIND, how="left").fill_null(0)
-        .group_by(_LINKS).agg(pl.col("cross").sum(), pl.col("cross_slow").sum(),
-                              (pl.col("k_groups") - pl.col("cross")).sum().alias("other"),
-                              (pl.col("k_slow") - pl.col("cross_slow")).sum().alias("other_slow"))
-        .with_columns(
-            (pl.col("cross_slow") / pl.col("cross")
-             - pl.when(pl.col("other") > 0).then(pl.col("other_slow") / pl.col("other")).otherwise(0.0))
-            .alias("score"))
-        .filter((pl.col("cross_slow") >= 0.8 * pl.col("cross")) & (pl.col("score") > 0.5))
-        .sort("score", "cross_slow", _LINKS, descending=[True, True, False])
+        .group_by(_LINKS).agg(pl.col("cross").sum(), pl.col("cross_slow").sum(), pl.col(_KIND))
+        .filter(pl.col("cross_slow") >= 0.8 * pl.col("cross"))
     )
-    out: list[Incident] = []
     crossing_of = {str(k): set(v) for k, v in pairs.group_by(_LINKS).agg(pl.col(_GROUP)).iter_rows()}
+    # A link is one physical thing: while it is slow every group crossing it is slow at the same steps (an on-off
+    # link too), and the other groups of their kinds are not. Noise (a preempted rank, a busy host) slows groups one
+    # at a time at steps of their own, and a group slow by noise for a tenth of the run is common on a crowded host.
+    # So the rule is judged step by step: the link's slow steps are those where at least 80 % of its crossing groups
+    # are slow; it needs as many as a slow group needs slow steps, and on them the share of its slow crossing groups
+    # must exceed the share of slow other groups of their kinds by more than one half.
+    flags = g.filter(pl.col("qs").is_not_null()).select(_GROUP, _S, (pl.col("qs") > 1 + config.link_excess).alias("slow"))
+    kind_of = dict(crossing_any.select(_GROUP, _KIND).iter_rows())
+    scored: list[tuple[str, int, int, float, int]] = []
+    for link, cross, cross_slow, kinds in per_link.select(_LINKS, "cross", "cross_slow", _KIND).iter_rows():
+        crossing = crossing_of[str(link)]
+        others = {grp for grp, k in kind_of.items() if k in set(kinds) and grp not in crossing}
+        per_step = (
+            flags.filter(pl.col(_GROUP).is_in(sorted(crossing | others)))
+            .with_columns(pl.col(_GROUP).is_in(sorted(crossing)).alias("_c"))
+            .group_by(_S).agg(pl.col("slow").filter(pl.col("_c")).mean().alias("fc"),
+                              pl.col("slow").filter(~pl.col("_c")).mean().fill_null(0.0).alias("fo"))
+            .drop_nulls("fc")
+        )
+        joint = per_step.filter(pl.col("fc") >= 0.8)
+        if joint.height < max(config.link_window, 0.1 * per_step.height):
+            continue
+        score = float((joint.get_column("fc") - joint.get_column("fo")).mean())  # type: ignore[arg-type]
+        if score > 0.5:
+            scored.append((str(link), int(cross), int(cross_slow), score, int(joint.get_column(_S).min())))  # type: ignore[arg-type]
+    scored.sort(key=lambda r: (-r[3], -r[2], r[0]))
+    out: list[Incident] = []
     # Groups that cross a link already found exactly are explained by it.
     explained: set[str] = {grp for link in known for grp in crossing_of.get(link, ())}
-    for link, cross, cross_slow, score in per_link.select(_LINKS, "cross", "cross_slow", "score").iter_rows():
-        crossing = crossing_of[str(link)]
+    for link, cross, cross_slow, score, det in scored:
+        crossing = crossing_of[link]
         newly = (crossing & slow_set) - explained
         if not newly:
             continue
@@ -766,10 +782,10 @@ def _slow_ring_links(frames: Frames, config: StragglerConfig, *, known: set[str]
         members = sorted({int(r) for rs in present.filter(pl.col(_GROUP).is_in(sorted(crossing)))
                          .get_column(_RANKS).to_list() for r in rs})
         sg = slow_groups.filter(pl.col(_GROUP).is_in(sorted(crossing)))
-        onset = int(sg.get_column("first").min()) - config.link_window + 1  # type: ignore[arg-type]
-        onset = max(onset, int(g.get_column(_S).min()))  # type: ignore[arg-type]
+        # Detected at the link's first slow step (a trailing rolling median: up to a window after the onset); the
+        # onset is the first step from a window before it where the crossing groups' median ratio is above the bar.
+        onset = max(det - config.link_window + 1, int(g.get_column(_S).min()))  # type: ignore[arg-type]
         onset = _first_slow(g, sorted(crossing), onset, config)
-        det = int(sg.get_column("first").min())  # type: ignore[arg-type]
         ratio = float(sg.get_column("q").median())  # type: ignore[arg-type]
         wall = frames.steps.filter(pl.col(_S) == det).get_column(Steps.END_WALL_NS.value).max()
         ev_rows = g.filter(pl.col(_GROUP).is_in(sorted(crossing)) & (pl.col(_S) >= onset)).sort(_S, _GROUP).head(20)

@@ -570,8 +570,14 @@ def _ab_rank(rank: int, world: int, store: str, arm: str, run_dir: str, steps: i
         cpu.append(time.thread_time_ns())
     c.close(exit_code=0)
     dist.barrier()
+    # The figures are written (whole, by rename) before the teardown: gloo's C++ teardown now and then aborts a rank
+    # after the work is done ("terminate called without an active exception", SIGABRT), which says nothing about
+    # the measurement; os._exit skips the interpreter's teardown of torch on top of it.
+    tmp = Path(out + ".tmp")
+    tmp.write_text(json.dumps({"step_end_ns": ends, "thread_cpu_ns": cpu, "errors": c.errors}))
+    tmp.replace(out)
     dist.destroy_process_group()
-    Path(out).write_text(json.dumps({"step_end_ns": ends, "thread_cpu_ns": cpu, "errors": c.errors}))
+    os._exit(0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -583,6 +589,8 @@ class Launch:
     median_ms: float
     thread_cpu_ms: float
     """Training-thread CPU per step after the warm-up, mean over ranks."""
+    note: str = ""
+    """What went wrong after the figures were written (a rank's teardown), or empty."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -615,9 +623,14 @@ def _launch(root: Path, plan: Plan, block: int, index: int, arm: str, reps: int)
         if p.is_alive():
             p.terminate()
             p.join(5)
-    if any(p.exitcode != 0 for p in procs):
-        raise SystemExit(f"collector_cost: {arm} launch in {base} failed "
-                         f"(exit codes {', '.join(str(p.exitcode) for p in procs)})")
+    codes = ", ".join(str(p.exitcode) for p in procs)
+    if any(not Path(o).exists() for o in outs):
+        raise SystemExit(f"collector_cost: {arm} launch in {base} failed (exit codes {codes}; "
+                         f"no figures from rank(s) {', '.join(str(r) for r, o in enumerate(outs) if not Path(o).exists())})")
+    # A rank that wrote its figures (whole: by rename, after the final barrier) and then died in torch's teardown
+    # measured its steps; the launch counts, and the line says so.
+    note = "" if all(p.exitcode == 0 for p in procs) else \
+        f"exit codes {codes} after every rank's figures were written: torch teardown"
     docs = [json.loads(Path(o).read_text()) for o in outs]
     w = plan.ab_warmup
     ends = [max(d["step_end_ns"][i] for d in docs) for i in range(plan.ab_steps)]
@@ -625,7 +638,7 @@ def _launch(root: Path, plan: Plan, block: int, index: int, arm: str, reps: int)
     span = plan.ab_steps - w
     cpu = statistics.mean((d["thread_cpu_ns"][-1] - d["thread_cpu_ns"][w - 1]) / span / 1e6 for d in docs)
     return Launch(block=block, arm=arm, step_ms=(ends[-1] - ends[w - 1]) / span / 1e6,
-                  median_ms=statistics.median(intervals), thread_cpu_ms=cpu)
+                  median_ms=statistics.median(intervals), thread_cpu_ms=cpu, note=note)
 
 
 def _on_off(plan: Plan) -> OnOff:
@@ -640,7 +653,8 @@ def _on_off(plan: Plan) -> OnOff:
                 launch = _launch(Path(tmp), plan, k, i, arm, reps)
                 launches.append(launch)
                 print(f"    block {k} {arm:<3} {launch.step_ms:8.2f} ms/step (median {launch.median_ms:.2f}), "
-                      f"training thread {launch.thread_cpu_ms:.2f} ms  (load {os.getloadavg()[0]:.1f})", flush=True)
+                      f"training thread {launch.thread_cpu_ms:.2f} ms  (load {os.getloadavg()[0]:.1f})"
+                      + (f"  [{launch.note}]" if launch.note else ""), flush=True)
     overhead, cpu = [], []
     for k in range(plan.ab_blocks):
         mine = [x for x in launches if x.block == k]

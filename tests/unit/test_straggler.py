@@ -223,6 +223,46 @@ def test_no_link_incident_without_a_slow_link() -> None:
     assert detect_stragglers(job.frames(**_pp_groups(job, None, 0))) == ()
 
 
+def _small_groups(job: Job, slow_from: int, bursty: dict[str, float]) -> dict[str, pl.DataFrame]:
+    """A canary-sized layout on 4 hosts of 2 ranks: dp groups {0,2},{1,3} cross host0<->host1 and {4,6},{5,7}
+    host2<->host3; pp groups {0,4},{1,5} cross host0<->host2 and {2,6},{3,7} host1<->host3. host0<->host1 is 8x slower
+    from `slow_from`; each group in `bursty` is 5x slower in bursts of its own (a preempted rank on a crowded host)
+    covering that share of the run."""
+    rng = np.random.default_rng(job.seed)
+    spec = {"dp.pp0.tp0": (0, 2), "dp.pp0.tp1": (1, 3), "dp.pp1.tp0": (4, 6), "dp.pp1.tp1": (5, 7),
+            "pp.dp0.tp0": (0, 4), "pp.dp0.tp1": (1, 5), "pp.dp1.tp0": (2, 6), "pp.dp1.tp1": (3, 7)}
+    names = list(spec)
+    links = [[link_name(job.host_of(a), job.host_of(b))] for a, b in spec.values()]
+    groups = pl.DataFrame({"group": names, "kind": [n[:2] for n in names], "ranks": [list(v) for v in spec.values()],
+                           "hosts": [[job.host_of(a), job.host_of(b)] for a, b in spec.values()], "links": links})
+    t = rng.lognormal(np.log(2e6), 0.3, size=(len(names), job.steps))
+    for g, name in enumerate(names):
+        if links[g] == [link_name("host0", "host1")]:
+            t[g, slow_from:] *= 8.0
+        burst = np.zeros(job.steps, dtype=bool)
+        while burst.mean() < bursty.get(name, 0.0):
+            start = int(rng.integers(0, job.steps - 12))
+            burst[start:start + int(rng.integers(8, 13))] = True
+        t[g, burst] *= 5.0
+    gi, si = np.meshgrid(np.arange(len(names)), np.arange(job.steps), indexing="ij")
+    gt = pl.DataFrame({"group": [names[i] for i in gi.ravel()], "kind": [names[i][:2] for i in gi.ravel()],
+                       "step": si.ravel(), "ops": 1, "bytes": 1 << 17, "transfer_ns": t.ravel().astype(np.int64)})
+    return {"groups": groups, "group_transfer": gt}
+
+
+@pytest.mark.parametrize("seed", [50, 51, 52])
+def test_groups_slow_by_noise_at_steps_of_their_own_neither_hide_the_slow_link_nor_make_one(seed: int) -> None:
+    """Measured on a canary on two busy cores: a dp group on the healthy link slow by noise for a fifth of the run made
+    the kind's 'other groups' half slow and hid the slow link; both pp groups of another link, each noisy at steps of
+    its own, were blamed in its place. A link slows its groups at the same steps; noise does not."""
+    job = Job(seed=seed, ranks=8, hosts=4, steps=80)
+    frames = job.frames(**_small_groups(job, 30, {"dp.pp1.tp1": 0.2, "pp.dp0.tp0": 0.2, "pp.dp0.tp1": 0.2}))
+    links = [i for i in detect_stragglers(frames) if i.subject.kind is SubjectKind.LINK]
+    assert [(i.subject.id, i.cause) for i in links] == [("host0<->host1", Cause.SLOW_LINK)], links
+    err, delay = _timing(links[0], 30)
+    assert err <= 3 and delay <= 10
+
+
 def test_stage_imbalance_is_a_stage_incident_and_no_rank_incident() -> None:
     job = Job(seed=12, pp=4)
     for r in range(32, 48):
