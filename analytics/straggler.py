@@ -17,12 +17,15 @@ single steps meaningless, so an incident needs persistence, tested two ways:
 
 * subtle: a one-sided CUSUM of `excess - cusum_reference` (per-step contributions clipped so a few wild steps
   cannot fire it) reaches `cusum_threshold`, and at least `sustain_count` of the last `sustain_window` steps are
-  above `sustain_excess`. The CUSUM's reference sits between the benign spread (a device 2 % slow all run long)
-  and the smallest fault worth reporting (5 %); its change point (the step after it last stood at 0) is the onset.
+  above `sustain_excess` (down to `sustain_min` in a quiet run, where fewer such steps are already beyond chance
+  at the job's own rate of elevated rank-steps). The CUSUM's reference sits between the benign spread (a device
+  2 % slow all run long) and the smallest fault worth reporting (5 %); its change point (the step after it last
+  stood at 0) is the onset.
 * large: every one of the last `burst_window` steps is above `burst_excess` (fast detection of big slowdowns).
 
 Then the episode runs until `episode_gap` steps in a row are back to normal; episodes of one rank at most
-`merge_gap` steps apart (intermittent bursts) merge into one incident. Subjects above the rank: a host whose
+`merge_gap` steps apart (intermittent bursts), or with the rank's median excess between them above half the sustain
+level (it never came back to its own speed), merge into one incident. Subjects above the rank: a host whose
 ranks are slow through dataloader wait (one HOST incident), an inter-host link whose crossing groups transfer
 slower than the other groups of their kind (one LINK incident), a pipeline stage whose median compute exceeds the
 other stages' (IMBALANCE, STAGE), and random per-step data skew between replicas, a different one late each step
@@ -72,6 +75,9 @@ class StragglerConfig:
     """Steps looked back on for the persistence test of the subtle rule."""
     sustain_count: int = 6
     """Elevated steps needed among the last `sustain_window` (keeps random per-step skew from firing)."""
+    sustain_min: int = 4
+    """The fewest elevated steps among the last `sustain_window` the persistence test can ask for in a quiet run
+    (see `_fire_table`; half the window)."""
     burst_excess: float = 0.15
     """Excess above which a step counts for the large-slowdown rule."""
     burst_window: int = 4
@@ -145,6 +151,8 @@ class StragglerConfig:
                 raise ValueError(f"StragglerConfig.{name}={getattr(self, name)}: must be >= 1")
         if not 1 <= self.sustain_count <= self.sustain_window:
             raise ValueError(f"StragglerConfig.sustain_count={self.sustain_count}: must be in 1..sustain_window")
+        if not 1 <= self.sustain_min <= self.sustain_count:
+            raise ValueError(f"StragglerConfig.sustain_min={self.sustain_min}: must be in 1..sustain_count")
         if self.merge_gap < 0 or self.min_peers < 2 or self.checkpoint_count < 1:
             raise ValueError("StragglerConfig: merge_gap must be >= 0, min_peers >= 2, checkpoint_count >= 1")
         for name in ("cusum_reference", "cusum_threshold", "cusum_clip", "sustain_excess", "burst_excess",
@@ -278,6 +286,17 @@ def _replica_adjusted(steps: pl.DataFrame, config: StragglerConfig, *, device: b
 def _fire_table(own: pl.DataFrame, config: StragglerConfig) -> pl.DataFrame:
     """`own` with the CUSUM, the persistence counts, the rolling score and whether a rule fires at each step."""
     w, c = config.sustain_window, config.cusum_clip
+    # The persistence count a rank needs: `sustain_count` of the last `sustain_window` steps, or fewer (never under
+    # `sustain_min`) when that many elevated steps in a window are beyond chance at the job's own rate of elevated
+    # rank-steps (Bonferroni over every rank-step): a quiet run's straggler whose per-step excess is heavy-tailed
+    # (a third of its steps barely slow, the rest 5-30 %) is told from noise by fewer elevated steps than a noisy
+    # run's, where random per-step skew elevates any rank now and then.
+    need = config.sustain_count
+    if own.height:
+        rate = float((own.get_column("x") > config.sustain_excess).mean() or 0.0)  # type: ignore[arg-type]
+        tests = own.height / w
+        while need > config.sustain_min and _binom_tail(need - 1, w, rate) * tests <= config.chance_alpha:
+            need -= 1
     t = (
         own.with_columns(
             (pl.col("x") - config.cusum_reference).clip(-c, c).cum_sum().over(_R).alias("_c"),
@@ -292,7 +311,7 @@ def _fire_table(own: pl.DataFrame, config: StragglerConfig) -> pl.DataFrame:
             pl.col("x").rolling_median(config.score_window, min_samples=1).over(_R).alias("score"),
         )
         .with_columns(
-            (((pl.col("cusum") >= config.cusum_threshold) & (pl.col("_nup") >= config.sustain_count))
+            (((pl.col("cusum") >= config.cusum_threshold) & (pl.col("_nup") >= need))
              | (pl.col("_nbig") >= config.burst_window)
              | (pl.col("_nrec") >= config.recur_count)).fill_null(False).alias("fire")
         )
@@ -345,13 +364,21 @@ def _episodes(steps: np.ndarray, x: np.ndarray, cusum: np.ndarray, fire: np.ndar
     return out
 
 
-def _merge(episodes: list[_Episode], gap: int) -> list[list[_Episode]]:
+def _merge(episodes: list[_Episode], gap: int, steps: np.ndarray, x: np.ndarray,
+           level: float) -> list[list[_Episode]]:
+    """Episodes grouped into incidents: the next one joins when it starts at most `gap` steps after the last ended
+    (intermittent bursts), or when the rank never came back to its own speed in between (the median excess of the
+    steps between them is above `level`): a slowdown whose per-step excess is heavy-tailed dips below the sustain
+    level for a few steps now and then, which ends an episode, while the rank stays slow; that is one fault."""
     merged: list[list[_Episode]] = []
     for ep in episodes:
-        if merged and ep.onset - merged[-1][-1].end <= gap:
-            merged[-1].append(ep)
-        else:
-            merged.append([ep])
+        if merged:
+            end = merged[-1][-1].end
+            between = x[(steps > end) & (steps < ep.onset)]
+            if ep.onset - end <= gap or (len(between) and float(np.median(between)) > level):
+                merged[-1].append(ep)
+                continue
+        merged.append([ep])
     return merged
 
 
@@ -380,7 +407,7 @@ def _rank_incidents(frames: Frames, table: pl.DataFrame, config: StragglerConfig
         if _binom_tail(k, len(x), base_rate) > config.chance_alpha / max(n_ranks, 1):
             continue
         eps = _episodes(steps, x, rows.get_column("cusum").to_numpy(), rows.get_column("fire").to_numpy(), config)
-        for group in _merge(eps, config.merge_gap):
+        for group in _merge(eps, config.merge_gap, steps, x, config.sustain_excess / 2):
             longest = max(int(np.sum((steps >= e.onset) & (steps <= e.end))) for e in group)
             # Random per-step skew makes short runs of "slow" steps by chance; only sustained runs stand then.
             if skew_found and longest < config.sustain_window:

@@ -38,8 +38,9 @@ class TransientConfig:
     min_heartbeats: float = 3.0
     """A stalled step's own time exceeds its peers' at the same step by at least this many heartbeat intervals
     (seconds-long, not a slow step) ..."""
-    step_factor: float = 20.0
-    """... and by at least this many times the run's median own time per step."""
+    step_factor: float = 10.0
+    """... and by at least this many times the run's median own time per step (a benign very slow step takes 2-4
+    times the usual; a freeze of 15 s in a job of 0.9 s steps is 17 steps long)."""
     wait_share: float = 0.5
     """Most other ranks waited in collectives for at least this share of the stalled rank's excess."""
 

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from independent import HELDOUT2_SEEDS, HELDOUT_SEEDS, TUNE_SEEDS, Scenario, generate, scenarios  # noqa: E402
 from independent.suite import SPLITS  # noqa: E402
+from independent.suite import SPLITS  # noqa: E402
 from independent import phenomena  # noqa: E402
 from independent.noise import healthy  # noqa: E402
 from independent.tables import Builder  # noqa: E402
@@ -90,6 +91,8 @@ def test_generation_is_deterministic(tmp_path: Path) -> None:
 def test_suite_splits_and_coverage() -> None:
     assert not set(TUNE_SEEDS) & set(HELDOUT_SEEDS)
     assert not (set(TUNE_SEEDS) | set(HELDOUT_SEEDS)) & set(HELDOUT2_SEEDS)
+    spans = sorted((r.start, r.stop, name) for name, r in SPLITS.items())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # no two splits share a seed
     for timing in ("cpu", "gpu"):
         tune, held = scenarios("tune", timing), scenarios("heldout", timing)
         assert {s.seed for s in tune} <= set(TUNE_SEEDS) and {s.seed for s in held} <= set(HELDOUT_SEEDS)

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.timeout(60)
 
 def _frames(*, ranks: int = 4, steps: int = 30, stall: dict[tuple[int, int], float] | None = None,
             everyone: set[int] = frozenset(), until: dict[int, int] | None = None,  # type: ignore[assignment]
-            clock: Clock = Clock.CPU, ckpt: dict[tuple[int, int], float] | None = None) -> Frames:
-    """43 ms steps; `stall[(rank, step)]` = seconds that rank froze at that step (its peers waited as long);
+            clock: Clock = Clock.CPU, ckpt: dict[tuple[int, int], float] | None = None,
+            step_ms: int = 40) -> Frames:
+    """`step_ms` (+3 ms of collectives) steps; `stall[(rank, step)]` = seconds that rank froze at that step (its peers waited as long);
     `ckpt[(rank, step)]` = seconds of checkpoint in that step (on the device clock the idle GPU's compute holds it;
     a rank whose save is longer than the others' keeps them waiting as long)."""
     stall = stall or {}
@@ -31,7 +32,7 @@ def _frames(*, ranks: int = 4, steps: int = 30, stall: dict[tuple[int, int], flo
             if s > until.get(r, steps):
                 continue
             saves = {k: v for (k, st), v in ckpt.items() if st == s}
-            own = 40 * MS + int(frozen.get(r, 0) * 1e9) + (int(20e9) if s in everyone else 0)
+            own = step_ms * MS + int(frozen.get(r, 0) * 1e9) + (int(20e9) if s in everyone else 0)
             wait = 3 * MS + int(max((v for k, v in frozen.items() if k != r), default=0) * 1e9)
             save = int(saves.get(r, 0) * 1e9)
             wait += int((max(saves.values(), default=0) - saves.get(r, 0)) * 1e9)
@@ -63,6 +64,14 @@ def test_what_is_not_a_transient_stall() -> None:
     assert detect_transient_stalls(_frames(stall={(2, 10): 0.3})) == ()  # a slow step, not seconds
     assert detect_transient_stalls(_frames(stall={(2, 29): 20.0})) == ()  # its last step: it may not be back
     assert detect_transient_stalls(_frames(stall={(2, 10): 20.0}, until={2: 10})) == ()
+
+
+def test_in_a_run_of_long_steps_a_seconds_long_freeze_is_found_and_a_slow_step_is_not() -> None:
+    # 0.9 s steps: a 16 s freeze is under 20 steps long, and still no step of a running job takes that long.
+    (inc,) = detect_transient_stalls(_frames(stall={(2, 10): 16.0}, step_ms=900))
+    assert inc.ranks == (2,) and inc.onset_step == 10 and "stalled for 16.0 s" in inc.summary
+    # 1.5 s steps: one step 4x as long (4.5 s more than its peers, over three heartbeats) is a slow step.
+    assert detect_transient_stalls(_frames(stall={(2, 10): 4.5}, step_ms=1500)) == ()
 
 
 def test_the_device_clock_reads_device_compute_alone() -> None:
