@@ -17,8 +17,8 @@ single steps meaningless, so an incident needs persistence, tested two ways:
 
 * subtle: a one-sided CUSUM of `excess - cusum_reference` (per-step contributions clipped so a few wild steps
   cannot fire it) reaches `cusum_threshold`, and at least `sustain_count` of the last `sustain_window` steps are
-  above `sustain_excess` (down to `sustain_min` in a quiet run, where fewer such steps are already beyond chance
-  at the job's own rate of elevated rank-steps). The CUSUM's reference sits between the benign spread (a device
+  above `sustain_excess` (down to `sustain_min` in a quiet run, noise at most nominal, where fewer such steps are
+  already beyond chance at the job's own rate of elevated rank-steps). The CUSUM's reference sits between the benign spread (a device
   2 % slow all run long) and the smallest fault worth reporting (5 %); its change point (the step after it last
   stood at 0) is the onset.
 * large: every one of the last `burst_window` steps is above `burst_excess` (fast detection of big slowdowns).
@@ -171,8 +171,9 @@ def detect_stragglers(frames: Frames, config: StragglerConfig = StragglerConfig(
     if frames.steps.height == 0 or frames.last_step - int(frames.steps[_S].min()) + 1 < config.min_steps:  # type: ignore[arg-type]
         return ()
     own = _own_table(frames, config)
-    config = _scaled(config, _noise(_baselined(own, config.baseline_steps, None)) / config.nominal_noise)
-    table = _fire_table(_baselined(own, config.baseline_steps, config.baseline_cap), config)
+    factor = _noise(_baselined(own, config.baseline_steps, None)) / config.nominal_noise
+    config = _scaled(config, factor)
+    table = _fire_table(_baselined(own, config.baseline_steps, config.baseline_cap), config, quiet=factor <= 1.0)
     incidents: list[Incident] = []
     stage = _stage_imbalance(table, config)
     incidents.extend(stage)
@@ -283,16 +284,18 @@ def _replica_adjusted(steps: pl.DataFrame, config: StragglerConfig, *, device: b
                           ).drop("_rc", "_w", "_idle")
 
 
-def _fire_table(own: pl.DataFrame, config: StragglerConfig) -> pl.DataFrame:
-    """`own` with the CUSUM, the persistence counts, the rolling score and whether a rule fires at each step."""
+def _fire_table(own: pl.DataFrame, config: StragglerConfig, *, quiet: bool) -> pl.DataFrame:
+    """`own` with the CUSUM, the persistence counts, the rolling score and whether a rule fires at each step.
+    `quiet`: the run's per-step noise is at most `nominal_noise` (a GPU job's independent step-to-step jitter)."""
     w, c = config.sustain_window, config.cusum_clip
-    # The persistence count a rank needs: `sustain_count` of the last `sustain_window` steps, or fewer (never under
-    # `sustain_min`) when that many elevated steps in a window are beyond chance at the job's own rate of elevated
-    # rank-steps (Bonferroni over every rank-step): a quiet run's straggler whose per-step excess is heavy-tailed
-    # (a third of its steps barely slow, the rest 5-30 %) is told from noise by fewer elevated steps than a noisy
-    # run's, where random per-step skew elevates any rank now and then.
+    # The persistence count a rank needs: `sustain_count` of the last `sustain_window` steps, or, in a quiet run,
+    # fewer (never under `sustain_min`) when that many elevated steps in a window are beyond chance at the job's own
+    # rate of elevated rank-steps (Bonferroni over every rank-step): a quiet run's straggler whose per-step excess
+    # is heavy-tailed (a third of its steps barely slow, the rest 5-30 %) is told from noise by fewer elevated steps.
+    # A noisy run keeps the full count: there random per-step skew elevates any rank now and then, and the noise of
+    # ranks sharing busy cores comes in bursts of steps, which a binomial count of independent steps would under-rate.
     need = config.sustain_count
-    if own.height:
+    if quiet and own.height:
         rate = float((own.get_column("x") > config.sustain_excess).mean() or 0.0)  # type: ignore[arg-type]
         tests = own.height / w
         while need > config.sustain_min and _binom_tail(need - 1, w, rate) * tests <= config.chance_alpha:
@@ -395,8 +398,10 @@ def _rank_incidents(frames: Frames, table: pl.DataFrame, config: StragglerConfig
     host = frames.host.filter(pl.col(_R).is_in(cand)) if device else None
     # Base rate of elevated rank-steps over the whole job: under random per-step skew any rank is elevated now and
     # then, and a rank whose elevated steps are not significantly more than that rate is not a straggler.
-    elevated = table.get_column("x") > config.sustain_excess
-    base_rate = float(elevated.mean() or 0.0)  # type: ignore[arg-type]
+    # The rate is the other ranks' (the rank under test left out): a straggler's own elevated steps would raise it
+    # (in a 4-rank run, 20 slow steps of one rank are 40 % of the job's elevated rank-steps) and hide it as chance.
+    elevated = int((table.get_column("x") > config.sustain_excess).sum())
+    n_rows = table.height
     n_ranks = int(table.get_column(_R).n_unique())
     out: list[Incident] = []
     for (rank,), rows in sub.group_by(_R, maintain_order=True):
@@ -404,6 +409,7 @@ def _rank_incidents(frames: Frames, table: pl.DataFrame, config: StragglerConfig
         steps = rows.get_column(_S).to_numpy()
         x = rows.get_column("x").to_numpy()
         k = int(np.sum(x > config.sustain_excess))
+        base_rate = (elevated - k) / (n_rows - len(x)) if n_rows > len(x) else 0.0
         if _binom_tail(k, len(x), base_rate) > config.chance_alpha / max(n_ranks, 1):
             continue
         eps = _episodes(steps, x, rows.get_column("cusum").to_numpy(), rows.get_column("fire").to_numpy(), config)
