@@ -18,9 +18,9 @@ single steps meaningless, so an incident needs persistence, tested two ways:
 * subtle: a one-sided CUSUM of `excess - cusum_reference` (per-step contributions clipped so a few wild steps
   cannot fire it) reaches `cusum_threshold`, and at least `sustain_count` of the last `sustain_window` steps are
   above `sustain_excess` (down to `sustain_min` in a quiet run, noise at most nominal, where fewer such steps are
-  already beyond chance at the job's own rate of elevated rank-steps). The CUSUM's reference sits between the benign spread (a device
-  2 % slow all run long) and the smallest fault worth reporting (5 %); its change point (the step after it last
-  stood at 0) is the onset.
+  already beyond chance at the job's own rate of elevated rank-steps). The CUSUM's reference sits between the
+  benign spread (a device 2 % slow all run long) and the smallest fault worth reporting (5 %); its change point
+  (the step after it last stood at 0) is the onset.
 * large: every one of the last `burst_window` steps is above `burst_excess` (fast detection of big slowdowns).
 
 Then the episode runs until `episode_gap` steps in a row are back to normal; episodes of one rank at most
