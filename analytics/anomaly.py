@@ -1,12 +1,15 @@
 """The anomaly model: unusual per-rank behaviour that no known incident explains, reported as UNCLASSIFIED.
 
-Each rank's steps are cut into windows of `AnomalyConfig.window_steps` steps. Per (rank, window) the model reads
-the window medians of the rank's step timings and GPU samples and compares them with its role peers (ranks of the
-same pipeline stage, which should behave alike) in the same window:
+Each rank's steps are cut into windows of `AnomalyConfig.window_steps` steps. Per (rank, window) the model compares
+the rank's step timings and GPU samples with its role peers (ranks of the same pipeline stage, which should behave
+alike). Step timings are compared step by step, each step against the role peers' median at that same step, and the
+window's deviation is the median of those per-step deviations: noise every rank shares at a step (a checkpoint stall,
+a scheduling burst on a loaded host) cancels in the pair, where a ratio of two window medians would carry it (on busy
+cores a window median jumps between the on-core and the waiting level). GPU samples are compared as window medians:
 
-    compute_ns, duration_ns        rank median / peer median - 1          (0.2 = 20 % slower than its peers)
-    dataloader_wait_ns,            (rank median - peer median) / peer     (0.2 = waits a fifth of a typical step
-    collective_wait_ns             median duration                         longer than its peers)
+    compute_ns, duration_ns        rank / peer median at the step - 1     (0.2 = 20 % slower than its peers)
+    dataloader_wait_ns,            (rank - peer median at the step) /     (0.2 = waits a fifth of a typical step
+    collective_wait_ns             peers' median duration at the step      longer than its peers)
     sm_clock_ratio                 SM clock / max SM clock, minus peers'   (-0.2 = clock 20 points of max lower)
     temperature_c                  rank median - peer median, in °C
     power_w                        rank median / peer median - 1
@@ -15,23 +18,27 @@ same pipeline stage, which should behave alike) in the same window:
     new_ecc_sbe                    log(1 + new ECC single-bit errors in the window)
 
 Each deviation becomes a robust z-score against all windows of the run: (x - median) / scale, scale = max(1.4826 *
-MAD, a per-feature floor). The error counters and dataloader_wait_ns count upwards only (z clipped at 0): a rank
-that waits less for its data than its peers is not at fault; when the peers' loaders are held up (an in-process
-loader preempted on a busy host) the one that was not is the odd one out, and blaming it blames the healthy rank.
-The floor (`_SCALE_FLOOR`) is the smallest deviation unit that is meaningful at all, so a run whose windows agree
-almost perfectly does not turn a rank 2 % slower throughout into a huge z: z = 8 on compute_ns means at least 8
-floors = 20 % off its peers. Window medians ignore a one-step checkpoint stall, and peers share stalls that hit
-every rank, so benign variation stays near z = 0.
+MAD, a per-feature floor, and for step timings the window median's own standard error, 1.2533 * 1.4826 * MAD of the
+window's per-step deviations / sqrt(steps)): a window is unusual only by more than its own steps' spread allows, so
+a few windows of a noisy run (a 4-rank CPU canary has 8 windows in 40 steps) cannot turn chance into z = 18. The
+error counters and dataloader_wait_ns count upwards only (z clipped at 0): a rank that waits less for its data than
+its peers is not at fault; when the peers' loaders are held up (an in-process loader preempted on a busy host) the
+one that was not is the odd one out, and blaming it blames the healthy rank. The floor (`_SCALE_FLOOR`) is the
+smallest deviation unit that is meaningful at all, so a run whose windows agree almost perfectly does not turn a
+rank 2 % slower throughout into a huge z: z = 8 on compute_ns means at least 8 floors = 20 % off its peers. Window
+medians ignore a one-step checkpoint stall, and peers share stalls that hit every rank, so benign variation stays
+near z = 0.
 
 An IsolationForest (fixed `random_state`) scores how easily a window's z-vector is isolated from the others: s in
 (0, 1), about 0.5 for an ordinary window, towards 1 for one that a few random splits separate. It always ranks some
 windows as outliers, so it only gates: a window is anomalous when some feature's |z| exceeds `z_threshold` (the
 candidates) AND the forest, fitted on the candidates plus a reference subsample of the run's windows, scores it at
-or above both 0.5 and the score only the `contamination` share of the reference reaches. An anomaly is confirmed on `persist_windows` consecutive anomalous windows of
-one rank, or at once when |z| reaches `extreme_z`. Features of ranks covered by a known incident (the rank itself,
-from the incident's onset on) are not read; for ranks that share a process group with a known culprit, or any rank
-once a rank failed or hung, the waiting features (collective_wait_ns, duration_ns) are not read either, since
-waiting for someone else's fault is not an anomaly of one's own.
+or above both 0.5 and the score only the `contamination` share of the reference reaches. An anomaly is confirmed on
+`persist_windows` consecutive anomalous windows of one rank, or at once when |z| reaches `extreme_z`. Features of
+ranks covered by a known incident (the rank itself, from the incident's onset on) are not read; for ranks that share
+a process group with a known culprit, or any rank once a rank failed or hung, the waiting features
+(collective_wait_ns, duration_ns) are not read either, since waiting for someone else's fault is not an anomaly of
+one's own.
 """
 
 from __future__ import annotations
@@ -156,14 +163,40 @@ def _windows(frames: Frames, cfg: AnomalyConfig) -> pl.DataFrame:
     steps = frames.steps
     if steps.height == 0:
         return pl.DataFrame()
-    timing = (Steps.COMPUTE_NS, Steps.DURATION_NS, Steps.DATALOADER_WAIT_NS, Steps.COLLECTIVE_WAIT_NS)
+    timing = (Feature.COMPUTE, Feature.DURATION, Feature.DATALOADER_WAIT, Feature.COLLECTIVE_WAIT)
+    topo = frames.topology.select(Topology.RANK, pl.col(_ROLE))
+    st = (steps.lazy().join(topo.lazy(), on=Steps.RANK, how="left")
+          .with_columns(pl.col(_ROLE).fill_null("*")))
+    role_size = pl.col(Steps.RANK).n_unique().over(_ROLE)
+    st = st.with_columns(pl.when(role_size >= cfg.min_peers).then(pl.col(_ROLE)).otherwise(pl.lit("*")).alias(_ROLE))
+    # each step against the role peers' median at the same step: noise every rank shares at that step (a
+    # checkpoint stall, a loaded host's scheduling burst, a long batch) cancels in the pair
+    at_step = [_ROLE, Steps.STEP]
+    st = st.with_columns(*[pl.col(f).cast(pl.Float64).alias(f) for f in timing]).with_columns(
+        *[pl.col(f).median().over(at_step).alias(f"p_{f}") for f in timing])
+    step_len_t = pl.col(f"p_{Feature.DURATION}")
+    per_step: list[pl.Expr] = []
+    for f in timing:
+        x, p = pl.col(f), pl.col(f"p_{f}")
+        if f in (Feature.COMPUTE, Feature.DURATION):
+            per_step.append(pl.when(p > 0).then(x / p - 1.0).alias(f"d_{f}"))
+        else:
+            per_step.append(pl.when(step_len_t > 0).then((x - p) / step_len_t).alias(f"d_{f}"))
+    st = st.with_columns(per_step)
+
+    def mad(c: str) -> pl.Expr:
+        return (pl.col(c) - pl.col(c).median()).abs().median()
+
     sw = (
-        steps.lazy()
-        .with_columns((pl.col(Steps.STEP) // w).alias("window"))
+        st.with_columns((pl.col(Steps.STEP) // w).alias("window"))
         .group_by(Steps.RANK, "window")
         .agg(pl.len().alias("n"), pl.col(Steps.STEP).min().alias("first_step"),
-             pl.col(Steps.STEP).max().alias("last_step"),
-             *[pl.col(c).cast(pl.Float64).median().alias(str(c)) for c in timing])
+             pl.col(Steps.STEP).max().alias("last_step"), pl.col(_ROLE).first(),
+             *[pl.col(f).median() for f in timing], *[pl.col(f"p_{f}").median() for f in timing],
+             *[pl.col(f"d_{f}").median() for f in timing],
+             # the standard error of a median of n steps, from the steps' own spread (MAD -> sigma -> se)
+             *[(1.2533 * 1.4826 * mad(f"d_{f}") / pl.len().cast(pl.Float64).sqrt()).alias(f"se_{f}")
+               for f in timing])
         .filter(pl.col("n") >= cfg.min_window_steps)
     )
     gpu = frames.gpu
@@ -192,23 +225,15 @@ def _windows(frames: Frames, cfg: AnomalyConfig) -> pl.DataFrame:
     else:
         sw = sw.with_columns(*[pl.lit(None, dtype=pl.Float64).alias(str(c)) for c in gpu_cols])
 
-    topo = frames.topology.select(Topology.RANK, pl.col(_ROLE))
-    sw = sw.join(topo.lazy(), on=Steps.RANK, how="left").with_columns(pl.col(_ROLE).fill_null("*"))
-    role_size = pl.col(Steps.RANK).n_unique().over(_ROLE)
-    sw = sw.with_columns(pl.when(role_size >= cfg.min_peers).then(pl.col(_ROLE)).otherwise(pl.lit("*")).alias(_ROLE))
-
     peers = [_ROLE, "window"]
-    sw = sw.with_columns(*[pl.col(f).median().over(peers).alias(f"p_{f}") for f in FEATURES])
-    step_len = pl.col(f"p_{Feature.DURATION}")
-    ratio = {Feature.COMPUTE, Feature.DURATION, Feature.POWER}
+    env = [f for f in FEATURES if f not in timing]
+    sw = sw.with_columns(*[pl.col(f).median().over(peers).alias(f"p_{f}") for f in env])
     dev: list[pl.Expr] = []
-    for f in FEATURES:
+    for f in env:
         x, p = pl.col(f), pl.col(f"p_{f}")
         e: pl.Expr
-        if f in ratio:
+        if f == Feature.POWER:
             e = pl.when(p > 0).then(x / p - 1.0)
-        elif f in (Feature.DATALOADER_WAIT, Feature.COLLECTIVE_WAIT):
-            e = pl.when(step_len > 0).then((x - p) / step_len)
         elif f == Feature.NEW_HARD_ERRORS:
             e = x
         elif f == Feature.NEW_ECC_SBE:
@@ -229,7 +254,9 @@ def _score(windows: pl.DataFrame, cfg: AnomalyConfig) -> pl.DataFrame:
     zs = []
     for f in FEATURES:
         med = stats[f"m_{f}"] or 0.0
-        scale = max(1.4826 * (stats[f"mad_{f}"] or 0.0), _SCALE_FLOOR[f])
+        scale: pl.Expr | float = max(1.4826 * (stats[f"mad_{f}"] or 0.0), _SCALE_FLOOR[f])
+        if f"se_{f}" in windows.columns:
+            scale = pl.max_horizontal(pl.lit(scale), pl.col(f"se_{f}").fill_null(0.0))
         z = (pl.col(f"d_{f}") - med) / scale
         if f in _ONE_SIDED:
             z = z.clip(lower_bound=0.0)

@@ -294,16 +294,17 @@ def _fire_table(own: pl.DataFrame, config: StragglerConfig, *, quiet: bool) -> p
     # is heavy-tailed (a third of its steps barely slow, the rest 5-30 %) is told from noise by fewer elevated steps.
     # A noisy run keeps the full count: there random per-step skew elevates any rank now and then, and the noise of
     # ranks sharing busy cores comes in bursts of steps, which a binomial count of independent steps would under-rate.
+    # `_up` (the step is elevated) stays in the table: the chance test of `_rank_incidents` counts it too
+    own = own.with_columns((pl.col("x") > config.sustain_excess).cast(pl.Int32).alias("_up"))
     need = config.sustain_count
     if quiet and own.height:
-        rate = float((own.get_column("x") > config.sustain_excess).mean() or 0.0)  # type: ignore[arg-type]
+        rate = float(own.get_column("_up").mean() or 0.0)  # type: ignore[arg-type]
         tests = own.height / w
         while need > config.sustain_min and _binom_tail(need - 1, w, rate) * tests <= config.chance_alpha:
             need -= 1
     t = (
         own.with_columns(
             (pl.col("x") - config.cusum_reference).clip(-c, c).cum_sum().over(_R).alias("_c"),
-            (pl.col("x") > config.sustain_excess).cast(pl.Int32).alias("_up"),
             (pl.col("x") > config.burst_excess).cast(pl.Int32).alias("_big"),
         )
         .with_columns(
@@ -400,7 +401,7 @@ def _rank_incidents(frames: Frames, table: pl.DataFrame, config: StragglerConfig
     # then, and a rank whose elevated steps are not significantly more than that rate is not a straggler.
     # The rate is the other ranks' (the rank under test left out): a straggler's own elevated steps would raise it
     # (in a 4-rank run, 20 slow steps of one rank are 40 % of the job's elevated rank-steps) and hide it as chance.
-    elevated = int((table.get_column("x") > config.sustain_excess).sum())
+    elevated = int(table.get_column("_up").sum())
     n_rows = table.height
     n_ranks = int(table.get_column(_R).n_unique())
     out: list[Incident] = []
@@ -408,7 +409,7 @@ def _rank_incidents(frames: Frames, table: pl.DataFrame, config: StragglerConfig
         rows = rows.sort(_S)
         steps = rows.get_column(_S).to_numpy()
         x = rows.get_column("x").to_numpy()
-        k = int(np.sum(x > config.sustain_excess))
+        k = int(rows.get_column("_up").sum())
         base_rate = (elevated - k) / (n_rows - len(x)) if n_rows > len(x) else 0.0
         if _binom_tail(k, len(x), base_rate) > config.chance_alpha / max(n_ranks, 1):
             continue

@@ -12,7 +12,8 @@ spent once its misses were printed: a detector change after that is found and ch
 measured on the next fresh split, never on a spent one again: `heldout` was spent on 2026-12-01, then `heldout2`
 (seeds 800,000..899,999), then `heldout3` (seeds 700,000..799,999), then `heldout4` (seeds 600,000..699,999) on
 2026-12-02, then `heldout5` (seeds 500,000..599,999), `heldout6` (400,000..499,999) and `heldout7` (300,000..399,999)
-on 2026-12-03; the next fresh split is seeds 200,000..299,999 (add it to `independent.suite.SPLITS`).
+on 2026-12-03, then `heldout8` (200,000..299,999) on 2026-12-03 (a later session); the next fresh split is seeds
+0..99,999 (add it to `independent.suite.SPLITS`).
 
 `--extra KIND:LAYOUTS[:COUNT]` (repeatable; with `--split tune` only) scores ad-hoc tune-range scenarios in place of
 the split's: COUNT (default: one per layout) scenarios of KIND, over the layouts in turn (DPxTPxPP, comma-separated),

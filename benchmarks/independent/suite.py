@@ -40,9 +40,10 @@ HELDOUT4_SEEDS = range(600_000, 700_000)
 HELDOUT5_SEEDS = range(500_000, 600_000)
 HELDOUT6_SEEDS = range(400_000, 500_000)
 HELDOUT7_SEEDS = range(300_000, 400_000)
+HELDOUT8_SEEDS = range(200_000, 300_000)
 SPLITS = {"tune": TUNE_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS, "heldout3": HELDOUT3_SEEDS,
           "heldout4": HELDOUT4_SEEDS, "heldout5": HELDOUT5_SEEDS, "heldout6": HELDOUT6_SEEDS,
-          "heldout7": HELDOUT7_SEEDS}
+          "heldout7": HELDOUT7_SEEDS, "heldout8": HELDOUT8_SEEDS}
 TIMINGS = ("cpu", "gpu")
 PER_KIND = 4
 CLEAN = 14
