@@ -184,9 +184,6 @@ def _windows(frames: Frames, cfg: AnomalyConfig) -> pl.DataFrame:
             per_step.append(pl.when(step_len_t > 0).then((x - p) / step_len_t).alias(f"d_{f}"))
     st = st.with_columns(per_step)
 
-    def mad(c: str) -> pl.Expr:
-        return (pl.col(c) - pl.col(c).median()).abs().median()
-
     sw = (
         st.with_columns((pl.col(Steps.STEP) // w).alias("window"))
         .group_by(Steps.RANK, "window")
@@ -195,7 +192,7 @@ def _windows(frames: Frames, cfg: AnomalyConfig) -> pl.DataFrame:
              *[pl.col(f).median() for f in timing], *[pl.col(f"p_{f}").median() for f in timing],
              *[pl.col(f"d_{f}").median() for f in timing],
              # the standard error of a median of n steps, from the steps' own spread (MAD -> sigma -> se)
-             *[(1.2533 * 1.4826 * mad(f"d_{f}") / pl.len().cast(pl.Float64).sqrt()).alias(f"se_{f}")
+             *[(1.2533 * 1.4826 * _mad(f"d_{f}") / pl.len().cast(pl.Float64).sqrt()).alias(f"se_{f}")
                for f in timing])
         .filter(pl.col("n") >= cfg.min_window_steps)
     )
@@ -245,11 +242,16 @@ def _windows(frames: Frames, cfg: AnomalyConfig) -> pl.DataFrame:
     return sw.with_columns(dev).sort(Steps.RANK, "window").collect()
 
 
+def _mad(column: str) -> pl.Expr:
+    """The median absolute deviation of `column` from its median."""
+    return (pl.col(column) - pl.col(column).median()).abs().median()
+
+
 def _score(windows: pl.DataFrame, cfg: AnomalyConfig) -> pl.DataFrame:
     """Add `z_<feature>`: robust z of each deviation against all windows (null deviations -> 0)."""
     stats = windows.select(
         *[pl.col(f"d_{f}").median().alias(f"m_{f}") for f in FEATURES],
-        *[(pl.col(f"d_{f}") - pl.col(f"d_{f}").median()).abs().median().alias(f"mad_{f}") for f in FEATURES],
+        *[_mad(f"d_{f}").alias(f"mad_{f}") for f in FEATURES],
     ).row(0, named=True)
     zs = []
     for f in FEATURES:

@@ -19,7 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from independent import HELDOUT2_SEEDS, HELDOUT_SEEDS, TUNE_SEEDS, Scenario, generate, scenarios  # noqa: E402
 from independent.suite import SPLITS  # noqa: E402
-from independent.suite import SPLITS  # noqa: E402
 from independent import phenomena  # noqa: E402
 from independent.noise import healthy  # noqa: E402
 from independent.tables import Builder  # noqa: E402

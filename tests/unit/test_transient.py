@@ -19,9 +19,9 @@ def _frames(*, ranks: int = 4, steps: int = 30, stall: dict[tuple[int, int], flo
             everyone: set[int] = frozenset(), until: dict[int, int] | None = None,  # type: ignore[assignment]
             clock: Clock = Clock.CPU, ckpt: dict[tuple[int, int], float] | None = None,
             step_ms: int = 40) -> Frames:
-    """`step_ms` (+3 ms of collectives) steps; `stall[(rank, step)]` = seconds that rank froze at that step (its peers waited as long);
-    `ckpt[(rank, step)]` = seconds of checkpoint in that step (on the device clock the idle GPU's compute holds it;
-    a rank whose save is longer than the others' keeps them waiting as long)."""
+    """`step_ms` (+3 ms of collectives) steps; `stall[(rank, step)]` = seconds that rank froze at that step (its
+    peers waited as long); `ckpt[(rank, step)]` = seconds of checkpoint in that step (on the device clock the idle
+    GPU's compute holds it; a rank whose save is longer than the others' keeps them waiting as long)."""
     stall = stall or {}
     until = until or {}
     ckpt = ckpt or {}
