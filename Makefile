@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rankwatch-installed
 
-.PHONY: demo test setup bench lint docs clean typecheck
+.PHONY: demo test test-fast setup bench lint docs clean typecheck
 
 setup: $(STAMP)
 
@@ -22,17 +22,15 @@ $(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_system.sh
 demo: $(STAMP)
 	$(VENV)/bin/rankwatch demo
 
-# mypy names modules by folder; the checkout's folder may have any name, so check it through a link named
-# after the package.
-MYPY_ROOT := .mypy-root
-TYPED := collector trainer analytics simulator cli.py monitor.py drills.py benchmarks
-
 typecheck: $(STAMP)
-	rm -rf $(MYPY_ROOT) && mkdir -p $(MYPY_ROOT) && ln -s "$(CURDIR)" $(MYPY_ROOT)/rankwatch
-	cd $(MYPY_ROOT) && "$(CURDIR)/$(PY)" -m mypy --config-file "$(CURDIR)/pyproject.toml" $(addprefix rankwatch/,$(TYPED))
+	$(PY) -m mypy --config-file pyproject.toml src/rankwatch benchmarks
 
 test: typecheck
 	$(PY) -m pytest -q
+
+# the unit tests not marked slow (no ranks spawned, no notebook executed, no wheel built): your own loop
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests/unit
 
 bench: $(STAMP)
 	$(PY) benchmarks/collector_overhead.py
@@ -40,8 +38,8 @@ bench: $(STAMP)
 lint: typecheck
 
 docs: $(STAMP)
-	$(PY) -c "from rankwatch.collector.schema import render_markdown; print(render_markdown(), end='')" > docs/telemetry.md
-	$(PY) -c "from pathlib import Path; from rankwatch.analytics.recovery import write_decision_doc; write_decision_doc(Path('docs/recovery.md'))"
+	$(PY) -c "from rankwatch.base.schema import render_markdown; print(render_markdown(), end='')" > docs/telemetry.md
+	$(PY) -c "from pathlib import Path; from rankwatch.recovery.policy import write_decision_doc; write_decision_doc(Path('docs/recovery.md'))"
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info $(MYPY_ROOT)
+	rm -rf $(VENV) build dist src/*.egg-info

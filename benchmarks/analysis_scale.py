@@ -34,10 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from rankwatch.base.rundir import TELEMETRY_DIR
+from rankwatch.base.topology import Layout
 from rankwatch.collector.rollup import ROLLUP_DIR, rollup_all
-from rankwatch.collector.schema import TELEMETRY_DIR
 from rankwatch.simulator import SimConfig, parse_sim_fault, simulate, split_tail
-from rankwatch.trainer.parallel import Layout
 
 TARGET_FULL_S = 60.0
 TARGET_PEAK_GB = 8.0

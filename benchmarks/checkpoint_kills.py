@@ -77,16 +77,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rankwatch.collector.schema import (
-    CheckpointPhase, CheckpointPhases, Fingerprints, Steps, Table, Topology,
+from rankwatch.base.rundir import CHECKPOINT_DIR
+from rankwatch.base.schema import CheckpointPhase, CheckpointPhases, Fingerprints, Steps, Table, Topology
+from rankwatch.base.topology import Layout
+from rankwatch.recovery.catalog import (
+    DCP_DIR, MANIFEST, Candidate, Verdict, checkpoint_id, choose, list_checkpoints, rank_shard_name,
 )
-from rankwatch.trainer.catalog import (
-    CHECKPOINT_DIR, DCP_DIR, MANIFEST, Candidate, Verdict, checkpoint_id, choose, list_checkpoints, rank_shard_name,
-)
-from rankwatch.trainer.parallel import Layout
 
 if TYPE_CHECKING:
-    from rankwatch.trainer.promises import ReplayCheck
+    from rankwatch.analytics.replay import ReplayCheck
 
 DEFAULT_LAYOUT = Layout(dp=2, tp=2)
 """The campaign's layout unless ``--layout`` says otherwise."""
@@ -558,8 +557,8 @@ class TrialResult:
 
 def canary_config(run_dir: Path, *, layout: Layout, every: int, steps: int, fingerprint_every: int = 50) -> Any:
     """The trials' canary: the tests' small model and short timeouts (`tests/support.py canary`)."""
-    from rankwatch.trainer import CanaryConfig
-    from rankwatch.trainer.model import ModelConfig
+    from rankwatch.canary import CanaryConfig
+    from rankwatch.canary.model import ModelConfig
 
     return CanaryConfig(run_dir=run_dir, steps=steps, layout=layout, gpu="off", pg_timeout_s=8.0,
                         flush_interval_s=0.5, heartbeat_interval_s=0.25, checkpoint_every=every,
@@ -569,7 +568,7 @@ def canary_config(run_dir: Path, *, layout: Layout, every: int, steps: int, fing
 def run_trial(plan: TrialPlan, root: Path, *, attempts: int = 2) -> TrialResult:
     """Run one trial; a job that failed before the kill (no kill was sent: e.g. a rendezvous timing out on an
     overloaded machine) is run again, up to `attempts` times in all, each in its own directory."""
-    from rankwatch.trainer import launch
+    from rankwatch.canary import launch
 
     start = time.monotonic()
     for attempt in range(attempts):
@@ -610,10 +609,10 @@ def _load_rank(rank: int, layout: Layout, run_dirs: list[str], port: int, out: s
     import torch
     import torch.distributed as dist
 
+    from rankwatch.canary.model import ModelConfig, Stage
     from rankwatch.collector.fingerprint import fingerprint
     from rankwatch.collector.null import NullCollector
-    from rankwatch.trainer.checkpoint import load_checkpoint
-    from rankwatch.trainer.model import ModelConfig, Stage
+    from rankwatch.recovery.checkpoint import load_checkpoint
 
     torch.set_num_threads(1)
     world = layout.world_size
@@ -666,7 +665,7 @@ def reference_states(root: Path, layout: Layout, every: int, steps: int, *,
     """(step, rank) -> fingerprinted state after that step, every step up to the last (``steps - 1``, where a resumed
     trial ends), from an uninterrupted run of the trials' config; a failed run (e.g. a rendezvous timing out on an
     overloaded machine) is run again in its own directory, up to `attempts` runs in all."""
-    from rankwatch.trainer import launch
+    from rankwatch.canary import launch
 
     for attempt in range(attempts):
         run_dir = root / (f"reference-every{every}" + (f"-again{attempt}" if attempt else ""))
@@ -727,7 +726,7 @@ def resume_trial(t: TrialResult, reference: dict[tuple[int, int], list[Any]]) ->
     checkpoint are returned as they are."""
     import duckdb
 
-    from rankwatch.trainer import launch
+    from rankwatch.canary import launch
 
     if t.kill is None or t.check.chosen is None:
         return t

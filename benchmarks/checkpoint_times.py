@@ -23,11 +23,11 @@ def _load_rank(rank: int, run_dir: Path, layout_text: str, model_cfg: Any, port:
     import torch
     import torch.distributed as dist
 
+    from rankwatch.base.topology import Layout
+    from rankwatch.canary.model import Stage
     from rankwatch.collector.collector import Collector, CollectorConfig
-    from rankwatch.trainer.catalog import choose
-    from rankwatch.trainer.checkpoint import load_checkpoint
-    from rankwatch.trainer.model import Stage
-    from rankwatch.trainer.parallel import Layout
+    from rankwatch.recovery.catalog import choose
+    from rankwatch.recovery.checkpoint import load_checkpoint
 
     torch.set_num_threads(1)
     layout = Layout.parse(layout_text)
@@ -64,8 +64,9 @@ def main() -> None:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from rankwatch.trainer import CanaryConfig, Layout, launch
-    from rankwatch.trainer.model import ModelConfig
+    from rankwatch.base.topology import Layout
+    from rankwatch.canary import CanaryConfig, launch
+    from rankwatch.canary.model import ModelConfig
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)

@@ -253,8 +253,8 @@ def _on_collector(run_dir: Path, rank: int, world_size: int) -> Any:
 
 
 def _register(c: Any, group: Any, world_size: int) -> None:
-    from rankwatch.collector.collectives import GroupInfo
-    from rankwatch.collector.schema import GroupKind
+    from rankwatch.base.schema import GroupKind
+    from rankwatch.base.topology import GroupInfo
 
     c.register_group(group, GroupInfo(name="dp0", kind=GroupKind.DP, ranks=tuple(range(world_size)),
                                       hosts=("host0",) * world_size))

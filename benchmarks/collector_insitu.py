@@ -44,7 +44,7 @@ CONTROL = "Faults.__bool__"
 
 #: (module, class, method, category): category None = not part of the collector's totals
 _METHODS: tuple[tuple[str, str, str, str | None], ...] = (
-    ("rankwatch.trainer.faults", "Faults", "__bool__", None),
+    ("rankwatch.canary.faults", "Faults", "__bool__", None),
     # collectives: the context manager (current: _Open; earlier: _Timed around tracker.enter/exit)
     ("rankwatch.collector.collector", "Collector", "collective", "collectives"),
     ("rankwatch.collector.collectives", "_Open", "__enter__", "collectives"),
@@ -116,7 +116,7 @@ def _instrument(clock: Callable[[], int]) -> list[str]:
 
 
 def _rank(index: int, cfg: Any, port: int, clock_name: str) -> None:
-    from rankwatch.trainer.canary import _Rank
+    from rankwatch.canary.loop import _Rank
 
     clock = time.thread_time_ns if clock_name == "cpu" else time.perf_counter_ns
     _instrument(clock)
@@ -146,9 +146,9 @@ def main() -> None:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from rankwatch.trainer.canary import CanaryConfig
-    from rankwatch.trainer.faults import Faults
-    from rankwatch.trainer.parallel import Layout
+    from rankwatch.base.topology import Layout
+    from rankwatch.canary.config import CanaryConfig
+    from rankwatch.canary.faults import Faults
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--steps", type=int, default=300)

@@ -15,7 +15,7 @@ Step time, ON vs OFF
     collector's cost is what separates the arms. The arm started first alternates from repeat to repeat. Both
     are timed by the same clock outside the collector: with ``record_step_times`` every rank writes the
     perf_counter time (CLOCK_MONOTONIC: one clock for all processes), and its training thread's and process's
-    CPU time, at the end of each step (`trainer/canary.py`), collector on or off.
+    CPU time, at the end of each step (`canary/loop.py`), collector on or off.
 
     Per repeat, only the COMMON WINDOW counts: from the moment both jobs are past their first W steps to the
     moment the first of them ends its last step, so neither arm ever runs alone (the one that starts or ends
@@ -308,8 +308,8 @@ def t_interval(values: list[float], confidence: float = 0.95) -> Interval:
 
 
 def _config(args: argparse.Namespace, root: Path, repeat: int, arm: str) -> Any:
-    from rankwatch.trainer.canary import CanaryConfig
-    from rankwatch.trainer.parallel import Layout
+    from rankwatch.base.topology import Layout
+    from rankwatch.canary.config import CanaryConfig
 
     return CanaryConfig(
         run_dir=root / f"r{repeat}-{arm.lower()}",
@@ -328,8 +328,9 @@ def _config(args: argparse.Namespace, root: Path, repeat: int, arm: str) -> Any:
 def _launch_pair(args: argparse.Namespace, root: Path, repeat: int) -> dict[str, tuple[LaunchTiming, ArmTimes]]:
     """Run the ON and the OFF job at the same time (the first of `_order(repeat)` is started first); returns
     each arm's launch timing and clocks."""
-    from rankwatch.trainer.canary import STEP_TIMES_DIR
-    from rankwatch.trainer.launch import LaunchResult, launch
+    from rankwatch.base.rundir import STEP_TIMES_DIR
+    from rankwatch.canary.launch import launch
+    from rankwatch.recovery.job import LaunchResult
 
     cfgs = {arm: _config(args, root, repeat, arm) for arm in (ON, OFF)}
     results: dict[str, LaunchResult] = {}
@@ -380,7 +381,7 @@ def _trainer_median_ms(times: ArmTimes, warmup: int) -> float:
 def _self_timed_ms(run_dir: Path, *, warmup: int, steps: int) -> float | None:
     """Steady-state ms/step as the collector saw it: median over steps W..S-1 of the slowest rank's duration."""
     from rankwatch.analytics.store import connect
-    from rankwatch.collector.schema import Steps, Table
+    from rankwatch.base.schema import Steps, Table
 
     rows = connect(run_dir).execute(
         f"SELECT median(d) FROM (SELECT max({Steps.DURATION_NS}) d FROM {Table.STEPS} "
@@ -394,8 +395,9 @@ def _telemetry(run_dir: Path, *, ranks: int, steps: int) -> tuple[int, dict[str,
     """(total bytes, bytes per table, collectives per rank-step, steps rows, dropped rows, phases per rank-step,
     part-file writer CPU µs per rank-step (from each rank's exit event), rank part files per rank) of one ON run."""
     from rankwatch.analytics.store import connect, table_summaries
+    from rankwatch.base.rundir import TELEMETRY_DIR
+    from rankwatch.base.schema import PARTITION_KEY, EventKind, Events, Table
     from rankwatch.collector.collector import WRITER_CPU_PREFIX
-    from rankwatch.collector.schema import PARTITION_KEY, TELEMETRY_DIR, Events, EventKind, Table
 
     summaries = table_summaries(run_dir)
     by_table = {str(s.table): s.bytes for s in summaries}
@@ -501,9 +503,9 @@ def _loop_s(body: Callable[[int], None], n: int) -> float:
 def _micro(n: int, batches: int) -> MicroResult:
     import torch
 
-    from rankwatch.collector.collectives import GroupInfo
+    from rankwatch.base.schema import GroupKind
+    from rankwatch.base.topology import GroupInfo
     from rankwatch.collector.collector import Collector, CollectorConfig
-    from rankwatch.collector.schema import GroupKind
     from rankwatch.collector.sink import MemorySink
 
     group = object()  # stands in for a process group: the tracker only keys it by id()
@@ -578,7 +580,7 @@ def _canary_threads() -> Iterator[None]:
 
     import torch
 
-    from rankwatch.trainer.canary import CanaryConfig
+    from rankwatch.canary.config import CanaryConfig
 
     canary = int(next(f.default for f in dataclasses.fields(CanaryConfig) if f.name == "threads"))  # type: ignore[arg-type]
     threads = torch.get_num_threads()
@@ -591,8 +593,8 @@ def _canary_threads() -> Iterator[None]:
 
 def _default_stage(layout: str, nproc: int) -> Any:
     """Rank 0's stage of a default-size canary model under `layout`."""
-    from rankwatch.trainer.model import ModelConfig, Stage
-    from rankwatch.trainer.parallel import Layout
+    from rankwatch.base.topology import Layout
+    from rankwatch.canary.model import ModelConfig, Stage
 
     lay = Layout.parse(layout, nproc=nproc)
     return Stage(ModelConfig(), seed=0, pp=0, pp_size=lay.pp, tp=0, tp_size=lay.tp)
@@ -614,11 +616,11 @@ def _synthetic_step_us(*, collectives: int, phases: int, steps: int, layout: str
 def _synthetic_step_us_run(*, collectives: int, phases: int, steps: int, layout: str, nproc: int) -> tuple[float, float]:
     import torch
 
-    from rankwatch.collector.collectives import GroupInfo
+    from rankwatch.base.schema import GroupKind
+    from rankwatch.base.topology import GroupInfo
     from rankwatch.collector.collector import Collector, CollectorConfig
     from rankwatch.collector.gpu import ReplaySampler
     from rankwatch.collector.null import NullCollector
-    from rankwatch.collector.schema import GroupKind
 
     stage = _default_stage(layout, nproc)
     opt = torch.optim.AdamW(stage.parameters())
@@ -827,7 +829,7 @@ def _print_floors(rep: Report) -> None:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     import dataclasses
 
-    from rankwatch.trainer.canary import CanaryConfig
+    from rankwatch.canary.config import CanaryConfig
 
     CANARY_DEFAULTS = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(CanaryConfig)})
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -855,7 +857,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"need 1 <= --warmup < --steps, got --warmup {args.warmup} --steps {args.steps}")
     if args.repeats < 1 or args.micro_n < 1 or args.micro_batches < 1:
         p.error("--repeats, --micro-n and --micro-batches must be >= 1")
-    from rankwatch.trainer.parallel import Layout
+    from rankwatch.base.topology import Layout
 
     try:
         args.layout = str(Layout.parse(args.layout, nproc=args.nproc))

@@ -75,8 +75,8 @@ def _ensure_run(args: argparse.Namespace) -> Path:
 
     run: Path = args.run
     if not (run / "telemetry").exists():
+        from rankwatch.base.topology import Layout
         from rankwatch.simulator import SimConfig, parse_sim_fault, simulate
-        from rankwatch.trainer.parallel import Layout
 
         t0 = time.perf_counter()
         cfg = SimConfig(name="dashboard-scale", layout=Layout.parse(args.layout, nproc=args.ranks), hosts=args.hosts,
@@ -100,7 +100,7 @@ def _ensure_run(args: argparse.Namespace) -> Path:
 
 
 def _apptest(run: Path) -> list[dict[str, object]]:
-    app = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+    app = str(Path(__file__).resolve().parents[1] / "src" / "rankwatch" / "dashboard" / "app.py")
     out = []
     for page in PAGES:
         env = {**os.environ, "JUPYTER_PLATFORM_DIRS": "1"}
@@ -162,8 +162,9 @@ def _browser(run: Path) -> dict[str, object] | None:
 
 def _live(run: Path) -> dict[str, float]:
     from rankwatch.analytics import views
+    from rankwatch.analytics.analyze import ensure_views
 
-    store = views.ensure_views(run)
+    store = ensure_views(run)
     old = (store.summary.end_wall_ns - 2 * views.LIVE_SKEW_NS) / 1e9
     folders: dict[Path, list[Path]] = {}
     for part in (run / "telemetry").rglob("*.parquet"):

@@ -71,12 +71,12 @@ from typing import Any
 from rankwatch.analytics.analyze import analyze
 from rankwatch.analytics.frames import Clock
 from rankwatch.analytics.incidents import Incident
-from rankwatch.analytics.recovery import TargetKind, single_run_quarantines
+from rankwatch.recovery.decision import TargetKind
+from rankwatch.recovery.policy import single_run_quarantines
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from independent import Scenario as IndependentScenario  # noqa: E402
-from independent import generate as generate_independent, scenarios as independent_scenarios  # noqa: E402
-from independent.suite import SPLITS  # noqa: E402
+from independent import Scenario as IndependentScenario  # benchmarks/independent, beside this script
+from independent import generate as generate_independent, scenarios as independent_scenarios
+from independent.suite import SPLITS
 from rankwatch.simulator import Scenario, simulate, standard_suite
 from rankwatch.simulator.config import Timing
 

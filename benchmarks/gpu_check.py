@@ -1,6 +1,7 @@
 """One prepared check of rankwatch's GPU paths, for a lent GPU machine (under 5 minutes there, under a minute here).
 
-    python benchmarks/gpu_check.py [--out DIR]
+    python benchmarks/gpu_check.py [--out DIR]          # where rankwatch is installed (`make setup`)
+    PYTHONPATH=src python3 benchmarks/gpu_check.py       # a bare checkout (a lent GPU machine has no install)
 
 With CUDA it checks, against the real device:
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import statistics
 import sys
@@ -68,21 +68,6 @@ class Result:
     figures: str
 
 
-def _importable() -> None:
-    """Make `import rankwatch` work from a bare checkout (a lent machine has no install): a link named after the
-    package, on sys.path (spawned ranks inherit it) and on PYTHONPATH."""
-    try:
-        import rankwatch  # noqa: F401
-        return
-    except ImportError:
-        pass
-    root = Path(__file__).resolve().parents[1]
-    holder = Path(tempfile.mkdtemp(prefix="rankwatch-path-"))
-    (holder / "rankwatch").symlink_to(root, target_is_directory=True)
-    sys.path.insert(0, str(holder))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(holder), os.environ.get("PYTHONPATH")) if p)
-
-
 def _failed(name: str, exc: Exception) -> Result:
     first = str(exc).splitlines()[0] if str(exc) else ""
     return Result(check=name, result=FAIL, figures=f"{type(exc).__name__}: {first}"[:300])
@@ -115,7 +100,7 @@ def _read(run_dir: Path, table: str) -> list[dict[str, Any]]:
     duckdb)."""
     import pyarrow.parquet as pq
 
-    from rankwatch.collector.schema import TELEMETRY_DIR
+    from rankwatch.base.rundir import TELEMETRY_DIR
 
     out: list[dict[str, Any]] = []
     for part in sorted((run_dir / TELEMETRY_DIR / table).glob("rank=*/part-*.parquet")):
@@ -141,8 +126,8 @@ def check_cuda() -> Result:
 
 
 def check_replay_sampler() -> Result:
+    from rankwatch.base.schema import Gpu, Table, ThrottleReason, column_names
     from rankwatch.collector.gpu import H100_SXM, ReplaySampler
-    from rankwatch.collector.schema import Gpu, Table, ThrottleReason, column_names
     from rankwatch.collector.sink import rows_to_table
 
     sampler = ReplaySampler(host="host0", indices=[0, 1], seed=3)
@@ -174,9 +159,9 @@ def _fake_device_steps(factor_from: int, steps: int, factor: float) -> tuple[lis
     """Steps through a real Collector with a `FakeDeviceTimer` (the one place this script drives the fake): each
     phase enqueues its device work and returns at once, the host's own time per phase is constant, and from
     `factor_from` the forward phase enqueues `factor` times the step's device work (a slow device)."""
+    from rankwatch.base.schema import Table, column_names
     from rankwatch.collector.collector import Collector, CollectorConfig
     from rankwatch.collector.device import FakeDeviceTimer
-    from rankwatch.collector.schema import Table, column_names
     from rankwatch.collector.sink import MemorySink
 
     work = {"forward": 2_000_000, "backward": 4_000_000, "optimizer": 1_000_000}  # device ns per phase
@@ -202,7 +187,7 @@ def _fake_device_steps(factor_from: int, steps: int, factor: float) -> tuple[lis
 def check_fake_device_timer() -> Result:
     """The collector's device columns from the fake timer: a 2x device slowdown doubles device_compute_ns and
     leaves the host's phase time alone."""
-    from rankwatch.collector.schema import Phases, Steps
+    from rankwatch.base.schema import Phases, Steps
 
     start, steps = 10, 20
     rows, phases = _fake_device_steps(start, steps, GPU_SLOW_FACTOR)
@@ -227,7 +212,7 @@ def check_cpu_fallback_work() -> Result:
     """The gpu_slow work on CPU, calibrated on a small MLP step, on the thread's CPU clock (one intra-op thread)."""
     import torch
 
-    from rankwatch.trainer.canary import ExtraCompute
+    from rankwatch.canary.loop import ExtraCompute
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -259,9 +244,9 @@ def check_cpu_fallback_work() -> Result:
 
 
 def _canary_config(run_dir: Path, *, layout: str, steps: int, faults: Any, cuda: bool) -> Any:
-    from rankwatch.trainer.canary import CanaryConfig
-    from rankwatch.trainer.model import ModelConfig
-    from rankwatch.trainer.parallel import Layout
+    from rankwatch.base.topology import Layout
+    from rankwatch.canary.config import CanaryConfig
+    from rankwatch.canary.model import ModelConfig
 
     world = 1
     for part in layout.split(","):
@@ -277,7 +262,7 @@ def _canary_config(run_dir: Path, *, layout: str, steps: int, faults: Any, cuda:
 
 
 def _launch(cfg: Any) -> Any:
-    from rankwatch.trainer.launch import launch
+    from rankwatch.canary.launch import launch
 
     result = launch(cfg, timeout_s=150, failure_grace_s=cfg.pg_timeout_s + 5, term_grace_s=3.0)
     if not result.ok:
@@ -289,9 +274,10 @@ def check_cpu_fallback_canary(out: Path) -> Result:
     """A 1-rank gloo canary with gpu_slow: the CPU fallback is announced once, and the training thread's CPU time per
     step grows by the factor (its CPU clock, from the canary's step times: on a shared host the wall clock of a
     step, hence `compute_ns`, moves with the load; it is reported, not judged)."""
-    from rankwatch.collector.schema import EventKind, Events, Steps, Table
-    from rankwatch.trainer.canary import GPU_SLOW_CPU_WARNING, STEP_TIMES_DIR
-    from rankwatch.trainer.faults import Faults
+    from rankwatch.base.rundir import STEP_TIMES_DIR
+    from rankwatch.base.schema import EventKind, Events, Steps, Table
+    from rankwatch.canary.faults import Faults
+    from rankwatch.canary.loop import GPU_SLOW_CPU_WARNING
 
     start, steps = 15, 40
     run_dir = out / "cpu_fallback_canary"
@@ -325,8 +311,8 @@ def check_cpu_fallback_canary(out: Path) -> Result:
 def check_nvml() -> Result:
     import torch
 
+    from rankwatch.base.schema import Table, column_names
     from rankwatch.collector.gpu import GpuUnavailable, NvmlSampler
-    from rankwatch.collector.schema import Table, column_names
 
     try:
         sampler = NvmlSampler([0])
@@ -362,9 +348,9 @@ def check_nvml() -> Result:
 
 
 def check_gpu_slow_device(out: Path) -> Result:
-    from rankwatch.collector.schema import EventKind, Events, Phases, Steps, Table
-    from rankwatch.trainer.canary import GPU_SLOW_CPU_WARNING
-    from rankwatch.trainer.faults import Faults
+    from rankwatch.base.schema import EventKind, Events, Phases, Steps, Table
+    from rankwatch.canary.faults import Faults
+    from rankwatch.canary.loop import GPU_SLOW_CPU_WARNING
 
     start, steps = 25, 60
     run_dir = out / "gpu_slow_1rank"
@@ -410,7 +396,7 @@ def check_gpu_slow_analyze(out: Path) -> Result:
         from rankwatch.analytics.incidents import IncidentClass, SubjectKind
     except ImportError as exc:
         return Result(check=name, result=SKIP, figures=f"analytics cannot be imported here ({exc}): carry its wheels")
-    from rankwatch.trainer.faults import Faults
+    from rankwatch.canary.faults import Faults
 
     slow = 1
     run_dir = out / "gpu_slow_2ranks"
@@ -453,10 +439,10 @@ def check_overhead(out: Path, *, device: str = "cuda:0", width: int = 2048, repe
                    per_block: int = 30) -> tuple[Result, Result]:
     import torch
 
+    from rankwatch.base.schema import Phases, Steps, Table, column_names
     from rankwatch.collector.collector import Collector, CollectorConfig
     from rankwatch.collector.gpu import open_sampler
     from rankwatch.collector.null import NullCollector
-    from rankwatch.collector.schema import Phases, Steps, Table, column_names
     from rankwatch.collector.sink import MemorySink
 
     step = _gpu_training_step(torch.device(device), width)
@@ -540,7 +526,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="where the table, its JSON and the runs go "
                         "(default: a new temporary folder)")
     args = parser.parse_args(argv)
-    _importable()
     out: Path = args.out or Path(tempfile.mkdtemp(prefix="rankwatch-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from independent import generate, scenarios  # noqa: E402
+from independent import generate, scenarios  # benchmarks/independent, beside this script
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from rankwatch.analytics.store import connect
-from rankwatch.trainer import CanaryConfig, Faults, LaunchResult, Layout, launch
-from rankwatch.trainer.catalog import (
-    CHECKPOINT_DIR, DCP_METADATA, MANIFEST, Manifest, ShardFile, Versions, checkpoint_id, rank_shard_name,
+from rankwatch.base.rundir import CHECKPOINT_DIR
+from rankwatch.base.topology import Layout
+from rankwatch.canary import CanaryConfig, Faults, launch
+from rankwatch.canary.model import ModelConfig
+from rankwatch.recovery.catalog import (
+    DCP_METADATA, MANIFEST, Manifest, ShardFile, Versions, checkpoint_id, rank_shard_name,
 )
-from rankwatch.trainer.model import ModelConfig
+from rankwatch.recovery.job import LaunchResult
 
 #: A small model keeps 8 ranks on 2 cores fast; the code paths are the same as the default's.
 SMALL = ModelConfig(d_model=64, d_hidden=256, blocks_per_stage=2)

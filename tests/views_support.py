@@ -7,12 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from rankwatch.analytics.analyze import AnalysisConfig, analyze, write_analysis
-from rankwatch.collector.schema import Comparability, LineageKind
+from rankwatch.base.schema import Comparability, LineageKind
+from rankwatch.base.topology import Layout
+from rankwatch.canary.config import canary_declaration
+from rankwatch.control.manager import plan_recovery, write_plan
+from rankwatch.recovery.decision import CheckpointCatalogView
+from rankwatch.recovery.lineage import Details, Lineage, NewEntry, Verdict, lineage_path
 from rankwatch.simulator import SimConfig, parse_sim_fault, simulate
-from rankwatch.trainer.lineage import Details, Lineage, NewEntry, Verdict, lineage_path
-from rankwatch.trainer.manager import canary_declaration, plan_recovery, write_plan
-from rankwatch.analytics.recovery import CheckpointCatalogView
-from rankwatch.trainer.parallel import Layout
 
 LAYOUT = Layout(dp=4, tp=2, pp=2)
 STRAGGLER = 5

@@ -18,7 +18,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rankwatch.collector.schema import GROUP_STRUCT, Table, storage_schema
+from rankwatch.base.schema import GROUP_STRUCT, Table, storage_schema
 from rankwatch.collector.sink import dictionary_columns, partition_dir
 
 from .noise import Draw

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rankwatch.collector.schema import GroupKind, link_name
+from rankwatch.base.schema import GroupKind
+from rankwatch.base.topology import link_name
 
 RANKS_PER_HOST = 8
 

@@ -15,8 +15,8 @@ import pytest
 
 from rankwatch.analytics.analyze import AnalysisConfig, analyze
 from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, SubjectKind, read_incidents
+from rankwatch.canary import Faults
 from rankwatch.cli import main
-from rankwatch.trainer import Faults
 
 from support import canary, run
 

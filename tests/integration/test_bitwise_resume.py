@@ -21,12 +21,12 @@ import pytest
 
 from rankwatch.analytics.analyze import analyze
 from rankwatch.analytics.incidents import Cause, IncidentClass
-from rankwatch.collector.schema import ChangeReason, Comparability, Table
+from rankwatch.base.schema import ChangeReason, Comparability, Table
+from rankwatch.canary import CanaryConfig, Faults
+from rankwatch.canary.model import ModelConfig
 from rankwatch.collector.sink import partition_dir
-from rankwatch.trainer import CanaryConfig, Faults
-from rankwatch.trainer.lineage import EntryKind, lineage_path, read
-from rankwatch.trainer.model import ModelConfig
-from rankwatch.trainer.promises import PromiseStatus, evaluate
+from rankwatch.recovery.lineage import EntryKind, lineage_path, read
+from rankwatch.recovery.promises import PromiseStatus, evaluate
 from support import canary, rows, run
 
 pytestmark = [pytest.mark.slow]

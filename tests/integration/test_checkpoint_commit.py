@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rankwatch.base.rundir import CHECKPOINT_DIR
+from rankwatch.base.topology import Layout
+from rankwatch.canary.model import Stage
 from rankwatch.collector.collector import Collector, CollectorConfig
 from rankwatch.collector.fingerprint import fingerprint
-from rankwatch.trainer.catalog import CHECKPOINT_DIR, Verdict, choose, list_checkpoints
-from rankwatch.trainer.checkpoint import CHECKPOINT_FAULT_ENV, load_checkpoint
-from rankwatch.trainer.model import Stage
-from rankwatch.trainer.parallel import Layout
+from rankwatch.recovery.catalog import Verdict, choose, list_checkpoints
+from rankwatch.recovery.checkpoint import CHECKPOINT_FAULT_ENV, load_checkpoint
 
 from support import SMALL, canary, rows, run
 

@@ -9,16 +9,15 @@ import dataclasses
 import json
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
-from rankwatch.trainer import catalog
-from rankwatch.trainer.catalog import CHECKPOINT_DIR, MANIFEST, Candidate, Manifest, Verdict, checkpoint_id
+from rankwatch.base.rundir import CHECKPOINT_DIR
+from rankwatch.recovery import catalog
+from rankwatch.recovery.catalog import MANIFEST, Candidate, Manifest, Verdict, checkpoint_id
 
-sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # spawned loader ranks import it too
-import checkpoint_kills as ck  # noqa: E402
+import checkpoint_kills as ck  # benchmarks/ is on the tests' path (pyproject), which spawned ranks inherit
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 
 from rankwatch.analytics.analyze import AnalysisConfig, analyze, write_analysis
+from rankwatch.canary import Faults
+from rankwatch.canary.config import canary_declaration
+from rankwatch.control.manager import catalog_view, plan_recovery, write_plan
 from rankwatch.dashboard.data import LIVE_ENV
 from rankwatch.dashboard.serve import start, stop, wait_ready
-from rankwatch.trainer import Faults
-from rankwatch.trainer.manager import canary_declaration, catalog_view, plan_recovery, write_plan
 from support import canary, run
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -128,7 +129,7 @@ def test_every_page_renders_its_key_elements(page: Any, server: str, tmp_path: P
 
 
 def test_clicking_into_the_straggler_opens_its_evidence(page: Any, server: str, demo_run: Path, tmp_path: Path) -> None:
-    from rankwatch.analytics.views import ensure_views
+    from rankwatch.analytics.analyze import ensure_views
 
     incident = next(i for i in ensure_views(demo_run).incidents if SLOW_RANK in i.ranks)
     _open(page, f"{server}/incidents", "Incidents")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.drills import REPORT_FILE, VICTIM, read_report, run_drills
+from rankwatch.canary.drills import REPORT_FILE, VICTIM, read_report, run_drills
 
 pytestmark = [pytest.mark.slow]
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from rankwatch.collector.schema import TELEMETRY_DIR
-from rankwatch.trainer import Faults, LaunchResult
+from rankwatch.base.rundir import TELEMETRY_DIR
+from rankwatch.canary import Faults
+from rankwatch.recovery.job import LaunchResult
 
 from support import canary, rows, run
 

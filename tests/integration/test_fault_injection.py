@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.collector.schema import ThrottleReason
-from rankwatch.trainer import Faults
-from rankwatch.trainer.canary import GPU_SLOW_CPU_WARNING, STEP_TIMES_DIR
+from rankwatch.base.rundir import STEP_TIMES_DIR
+from rankwatch.base.schema import ThrottleReason
+from rankwatch.canary import Faults
+from rankwatch.canary.loop import GPU_SLOW_CPU_WARNING
 
 from support import canary, rows, run
 

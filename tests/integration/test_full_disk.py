@@ -15,11 +15,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from rankwatch.base.rundir import CHECKPOINT_DIR
+from rankwatch.base.schema import COLUMNS, EventKind, Events, Table
+from rankwatch.canary.model import ModelConfig
 from rankwatch.cli import main
-from rankwatch.collector.schema import COLUMNS, EventKind, Events, Table
 from rankwatch.collector.sink import ParquetSink, SinkConfig, partition_dir
-from rankwatch.trainer.catalog import CHECKPOINT_DIR, Verdict, list_checkpoints
-from rankwatch.trainer.model import ModelConfig
+from rankwatch.recovery.catalog import Verdict, list_checkpoints
 
 from support import canary, rows, run
 

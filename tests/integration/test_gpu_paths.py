@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rankwatch.base.schema import Collectives, GroupKind, Table, column_names
+from rankwatch.base.topology import GroupInfo
 from rankwatch.collector import Collector, CollectorConfig, MemorySink, open_sampler
-from rankwatch.collector.collectives import GroupInfo
-from rankwatch.collector.schema import Collectives, GroupKind, Table, column_names
 
 pytestmark = [
     pytest.mark.gpu,

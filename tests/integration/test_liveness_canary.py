@@ -16,7 +16,7 @@ import pytest
 from rankwatch.analytics.analyze import AnalysisConfig, analyze
 from rankwatch.analytics.incidents import IncidentClass, SubjectKind
 from rankwatch.analytics.liveness import LivenessMonitor, LivenessView, RankState, same_fault
-from rankwatch.trainer import LaunchResult
+from rankwatch.recovery.job import LaunchResult
 
 from support import canary, run
 

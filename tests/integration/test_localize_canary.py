@@ -11,11 +11,13 @@ import pytest
 from rankwatch.analytics.analyze import observe_run
 from rankwatch.analytics.incidents import IncidentClass
 from rankwatch.analytics.localize import FollowsKind, localize
-from rankwatch.analytics.recovery import Action, RecurrenceView
+from rankwatch.base.topology import Layout
+from rankwatch.canary import Faults
+from rankwatch.canary.config import canary_declaration
 from rankwatch.collector.gpu import replay_uuid
-from rankwatch.trainer import Faults
-from rankwatch.trainer.manager import canary_declaration, catalog_view, plan_recovery
-from rankwatch.trainer.parallel import Layout
+from rankwatch.control.manager import catalog_view, plan_recovery
+from rankwatch.recovery.decision import Action
+from rankwatch.recovery.policy import RecurrenceView
 
 from support import canary, rows, run
 

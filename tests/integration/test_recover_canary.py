@@ -12,13 +12,16 @@ import pytest
 import torch
 
 from rankwatch.analytics.incidents import IncidentClass
-from rankwatch.analytics.recovery import Action
-from rankwatch.collector.schema import Comparability
-from rankwatch.trainer import Faults
-from rankwatch.trainer.catalog import CHECKPOINT_DIR, rank_shard_name, sha256_file
-from rankwatch.trainer.evidence import verify_evidence
-from rankwatch.trainer.lineage import EntryKind, lineage_path, read, verify
-from rankwatch.trainer.manager import RECOVERY_DIR, apply, assess, config_from_run, supervise
+from rankwatch.base.rundir import CHECKPOINT_DIR, RECOVERY_DIR
+from rankwatch.base.schema import Comparability
+from rankwatch.canary import Faults
+from rankwatch.canary.config import canary_declaration, config_from_run
+from rankwatch.canary.launch import launch
+from rankwatch.control.manager import apply, assess, supervise
+from rankwatch.recovery.catalog import rank_shard_name, sha256_file
+from rankwatch.recovery.decision import Action
+from rankwatch.recovery.evidence import verify_evidence
+from rankwatch.recovery.lineage import EntryKind, lineage_path, read, verify
 from support import canary, rows, run
 
 pytestmark = [pytest.mark.slow]
@@ -50,8 +53,8 @@ def test_fail_stop_is_restarted_from_the_newest_checkpoint_and_ends_bitwise_clea
 ) -> None:
     run_dir = tmp_path / "run"
     said: list[str] = []
-    out = supervise(canary(run_dir, faults=Faults().exit(rank=1, step=7), **BASE), say=said.append,  # type: ignore[arg-type]
-                    **LAUNCH)  # type: ignore[arg-type]
+    out = supervise(canary(run_dir, faults=Faults().exit(rank=1, step=7), **BASE), launcher=launch,  # type: ignore[arg-type]
+                    say=said.append, **LAUNCH)  # type: ignore[arg-type]
     assert not out.first.ok and out.ok, (out.stopped, said)
     assert len(out.records) == 1 and out.stopped == "attempt completed"
     rec = out.records[0]
@@ -76,7 +79,8 @@ def test_fail_stop_is_restarted_from_the_newest_checkpoint_and_ends_bitwise_clea
 
     # assessing again finds nothing to act on: the recovered attempt completed, and the replayed steps (which the
     # killed rank's lost, never-flushed fingerprints leave uneven) read as no divergence
-    again = assess(run_dir, layout=config_from_run(run_dir).layout)
+    layout = config_from_run(run_dir).layout
+    again = assess(run_dir, layout=layout, job=canary_declaration(layout))
     assert not again.relaunch and not again.decided
 
 
@@ -86,8 +90,8 @@ def test_divergence_rolls_back_to_before_the_onset_and_retires_the_newer_checkpo
 ) -> None:
     run_dir = tmp_path / "run"
     said: list[str] = []
-    out = supervise(canary(run_dir, faults=Faults().skew_rng(rank=1, step=6), **BASE), say=said.append,  # type: ignore[arg-type]
-                    **LAUNCH)  # type: ignore[arg-type]
+    out = supervise(canary(run_dir, faults=Faults().skew_rng(rank=1, step=6), **BASE), launcher=launch,  # type: ignore[arg-type]
+                    say=said.append, **LAUNCH)  # type: ignore[arg-type]
     assert out.first.ok, "a divergence does not stop the job by itself"
     assert out.ok and len(out.records) == 1, (out.stopped, said)
     rec = out.records[0]
@@ -125,9 +129,9 @@ def test_a_relaunch_the_gate_refuses_ends_supervision(tmp_path: Path) -> None:
             f["size"], f["sha256"] = shard.stat().st_size, sha256_file(shard)
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
-    plan = assess(run_dir, layout=cfg.layout)
+    plan = assess(run_dir, layout=cfg.layout, job=canary_declaration(cfg.layout))
     assert plan.relaunch and plan.checkpoint is not None and plan.checkpoint.id == "step-00000005"
-    rec = apply(replace(cfg, faults=Faults()), plan, **LAUNCH)  # type: ignore[arg-type]
+    rec = apply(replace(cfg, faults=Faults()), plan, launcher=launch, **LAUNCH)  # type: ignore[arg-type]
     assert rec.outcome == "relaunch_failed" and rec.relaunch is not None and not rec.relaunch.ok
     refused = rows(run_dir, "SELECT DISTINCT rank FROM events WHERE attempt = 1 AND message LIKE "
                             "'consistency gate dp.%: disagree%rng_python%' ORDER BY rank")

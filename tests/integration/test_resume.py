@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.collector.schema import ChangeReason, Comparability
-from rankwatch.trainer import Faults
-from rankwatch.trainer.lineage import EntryKind, lineage_path, read, verify
+from rankwatch.base.schema import ChangeReason, Comparability
+from rankwatch.canary import Faults
+from rankwatch.recovery.lineage import EntryKind, lineage_path, read, verify
 from support import canary, rows, run
 
 pytestmark = [pytest.mark.slow]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from rankwatch.analytics.analyze import analyze
+from rankwatch.base.schema import Table
+from rankwatch.canary.faults import Faults
 from rankwatch.collector.rollup import host_dir, list_parts, read_manifest
-from rankwatch.collector.schema import Table
-from rankwatch.trainer.faults import Faults
 
 from support import canary, rows, run
 

@@ -21,9 +21,11 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 
 from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, Subject, SubjectKind
-from rankwatch.trainer.faults import Faults
-from rankwatch.trainer.manager import RECOVERY_DIR
-from rankwatch.trainer.service import MANAGER_DIR, STATE_FILE, ManagerService
+from rankwatch.base.rundir import MANAGER_DIR, RECOVERY_DIR, STATE_FILE
+from rankwatch.canary.config import config_from_run
+from rankwatch.canary.faults import Faults
+from rankwatch.canary.launch import CanaryLauncher
+from rankwatch.control.service import ManagerService
 from support import canary, rows
 
 pytestmark = [pytest.mark.slow]
@@ -32,7 +34,7 @@ SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
 
 
 def _decision(run_dir: Path, inc: Incident) -> bytes:
-    """A "decision" message of the wire contract, by hand (the sender lives in analytics.alerts)."""
+    """A "decision" message of the wire contract, by hand (the sender lives in control.wire)."""
     run = run_dir.name
     camel = "".join(p.capitalize() for p in str(inc.klass).split("_"))
     labels = {"alertname": f"Rankwatch{camel}", "class": str(inc.klass), "run": run, "rank": "1", "hostname": "h0",
@@ -99,7 +101,8 @@ def test_a_lost_or_stuck_rank_is_stopped_recovered_and_finished_by_the_service(
     pace = Faults().slow(rank=0, delay_s=0.1).slow(rank=1, delay_s=0.1)
     cfg = canary(run_dir, layout="dp=2", steps=60, checkpoint_every=10, pg_timeout_s=60.0, faults=pace)
     launch_kw = dict(timeout_s=140, failure_grace_s=90.0, term_grace_s=2.0)
-    with ManagerService(run_dir, secret=SECRET, job=cfg, launch_kw=launch_kw) as svc:
+    with ManagerService(run_dir, secret=SECRET, job=cfg, launcher=CanaryLauncher(), load_job=config_from_run,
+                        launch_kw=launch_kw) as svc:
         _wait_for(lambda: _status(svc)["job"]["state"] == "running", 60, "the job running")
         _wait_for(lambda: rows(run_dir, "SELECT count(*) FROM steps WHERE rank = 1")[0][0] >= 15, 90,
                   "15 steps of rank 1")

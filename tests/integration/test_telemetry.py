@@ -8,8 +8,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from rankwatch.base.rundir import TELEMETRY_DIR
+from rankwatch.base.schema import Table
 from rankwatch.collector.gpu import replay_uuid
-from rankwatch.collector.schema import TELEMETRY_DIR, Table
 
 from support import canary, rows, run
 

@@ -24,42 +24,18 @@ from typing import Any
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from rankwatch.analytics.alerts import (
-    ZERO_TIME,
-    AlertConfigError,
-    AlertSender,
-    AlertStatus,
-    AlertTracker,
-    DecisionFields,
-    HttpTransport,
-    MemoryTransport,
-    Message,
-    MessageType,
-    Outbox,
-    Outcome,
-    RankPlacement,
-    Reply,
-    RetryConfig,
-    Severity,
-    Signer,
-    State,
-    TrackerConfig,
-    _retry_after,
-    alertname,
-    decision_fields,
-    decision_message,
-    fingerprint,
-    incident_message,
-    load_secret,
-    message_id,
-    new_secret,
-    plan_fields,
-    severity,
-    signed_send,
-    write_secret,
-)
 from rankwatch.analytics.incidents import Cause, Evidence, HardwareSignal, Incident, IncidentClass, Subject, SubjectKind
-from rankwatch.analytics.recovery import DECISION_CASES, Action
+from rankwatch.control.outbox import Outbox, Outcome, Reply, RetryConfig, State
+from rankwatch.control.sender import AlertSender, HttpTransport, MemoryTransport, _retry_after, signed_send
+from rankwatch.control.signer import Signer, load_secret, new_secret, write_secret
+from rankwatch.control.tracker import AlertTracker, TrackerConfig
+from rankwatch.control.wire import (
+    ZERO_TIME, AlertConfigError, AlertStatus, DecisionFields, Message, MessageType, RankPlacement, Severity, alertname,
+    decision_fields, decision_message, fingerprint, incident_message, message_id, parse_message, plan_fields,
+    severity,
+)
+from rankwatch.recovery.decision import Action
+from rankwatch.recovery.policy import DECISION_CASES
 
 T0 = 1_800_000_000.0
 RUN = "run-17"
@@ -239,6 +215,27 @@ def test_decision_fields_from_the_policy_and_the_decision_message(tmp_path: Path
     assert doc["commonAnnotations"]["decision"] == joined.line()
     with pytest.raises(ValueError, match="not among those given"):
         decision_message(tmp_path / RUN, joined, [inc], now=T0)
+
+
+def test_what_the_wire_builds_it_parses_back(tmp_path: Path) -> None:
+    """One module builds and parses the wire format: every message the monitor sends parses back into the incident
+    and the decision it was built from (what the manager service acts on)."""
+    case = next(c for c in DECISION_CASES if c.name == "failstop-disagree-partials")
+    inc, decision = case.incident, case.decide()
+    fields = decision_fields(decision, run_dir=tmp_path / RUN, incidents=[inc])
+    sent = decision_message(tmp_path / RUN, fields, [inc], placement=PLACE, now=T0)
+    got = parse_message(sent.body)
+    assert got.type is MessageType.DECISION and got.status == "firing" and got.run == RUN
+    assert got.incident_id == inc.id and got.incident == inc
+    assert got.decision is not None
+    assert (got.decision.id, got.decision.action, got.decision.scope, got.decision.target, got.decision.checkpoint,
+            got.decision.quarantines) == (fields.id, fields.action, fields.scope, fields.target, fields.checkpoint,
+                                          fields.quarantines)
+    assert got.stops_job  # a rollback of a fail-stop stops the running attempt
+    for status in (AlertStatus.FIRING, AlertStatus.RESOLVED):
+        record = parse_message(incident_message(tmp_path / RUN, inc, status, placement=PLACE, now=T0).body)
+        assert (record.type, record.status, record.incident, record.decision) == (
+            MessageType.FIRING if status is AlertStatus.FIRING else MessageType.RESOLVED, str(status), inc, None)
 
 
 # ------------------------------------------------------------------------------------------------------- signing

@@ -12,7 +12,8 @@ import pytest
 from rankwatch.analytics.anomaly import AnomalyConfig, Feature, detect_anomalies
 from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, Subject, SubjectKind
-from rankwatch.collector.schema import ThrottleReason, link_name
+from rankwatch.base.schema import ThrottleReason
+from rankwatch.base.topology import link_name
 
 TP, PP, PER_HOST = 8, 4, 8
 BENIGN_SLOW_RANK, THROTTLE_BIT_RANK, SBE_RANK, PCIE_RANK = 5, 3, 11, 12

@@ -7,17 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.trainer.catalog import (
-    CHECKPOINT_DIR,
-    MANIFEST,
-    ShardFile,
-    Verdict,
-    choose,
-    list_checkpoints,
-    rank_shard_name,
-)
-from rankwatch.trainer.checkpoint import CheckpointConfig, CheckpointFault, FaultAction, SavePoint
-from rankwatch.trainer.parallel import Layout
+from rankwatch.base.topology import Layout
+from rankwatch.recovery.catalog import MANIFEST, ShardFile, Verdict, choose, list_checkpoints, rank_shard_name
+from rankwatch.recovery.checkpoint import CheckpointConfig, CheckpointFault, FaultAction, SavePoint
 from support import LAYOUT as SUPPORT_LAYOUT
 from support import make_checkpoint
 

@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from rankwatch.base.rundir import CHECKPOINT_DIR
+from rankwatch.base.schema import CheckpointPhases, EventKind, Events, Table, column_names
+from rankwatch.base.topology import Layout
 from rankwatch.collector import Collector, CollectorConfig, MemorySink
-from rankwatch.collector.schema import CheckpointPhases, EventKind, Events, Table, column_names
-from rankwatch.trainer import checkpoint as ckpt_mod
-from rankwatch.trainer.catalog import CHECKPOINT_DIR, Verdict, list_checkpoints
-from rankwatch.trainer.checkpoint import CheckpointConfig, DcpSaveError, SaveResult, current_versions, save_checkpoint
-from rankwatch.trainer.parallel import Layout
+from rankwatch.recovery import checkpoint as ckpt_mod
+from rankwatch.recovery.catalog import Verdict, list_checkpoints
+from rankwatch.recovery.checkpoint import CheckpointConfig, DcpSaveError, SaveResult, current_versions, save_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,20 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rankwatch.collector import Collector, CollectorConfig, MemorySink, NullCollector
-from rankwatch.collector.collectives import GroupInfo
-from rankwatch.collector.schema import (
-    CheckpointPhase,
-    CollectiveStatus,
-    Collectives,
-    EventKind,
-    Events,
-    Fingerprints,
-    GroupKind,
-    Steps,
-    Table,
+from rankwatch.base.schema import (
+    CheckpointPhase, CollectiveStatus, Collectives, EventKind, Events, Fingerprints, GroupKind, Steps, Table,
     column_names,
 )
+from rankwatch.base.topology import GroupInfo
+from rankwatch.collector import Collector, CollectorConfig, MemorySink, NullCollector
 from rankwatch.collector.sink import Row, Sink
 
 GROUP = object()
@@ -295,8 +287,8 @@ def test_close_polls_outstanding_device_marks_only_briefly(tmp_path: Path) -> No
 
 
 def test_topology_row_without_gpu_has_pid_host_and_process_numa_node(tmp_path: Path) -> None:
+    from rankwatch.base.schema import Topology
     from rankwatch.collector.collector import _process_numa_node
-    from rankwatch.collector.schema import Topology
 
     sink = MemorySink()
     c = _collector(tmp_path, sink)

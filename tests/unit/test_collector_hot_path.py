@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rankwatch.base.schema import CollectiveStatus, Collectives, GroupKind, Table, column_names
+from rankwatch.base.topology import GroupInfo
 from rankwatch.collector import Collector, CollectorConfig, FakeDeviceTimer, MemorySink
-from rankwatch.collector.collectives import GroupInfo
-from rankwatch.collector.schema import CollectiveStatus, Collectives, GroupKind, Table, column_names
 
 GROUP = object()
 INFO = GroupInfo(name="dp", kind=GroupKind.DP, ranks=(0, 1), hosts=("host0", "host0"))

@@ -21,25 +21,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from rankwatch.base.rundir import CHECKPOINT_DIR, RUN_FILE, TELEMETRY_DIR
+from rankwatch.base.schema import (
+    SCHEMA_VERSION_KEY, CheckpointPhases, Collectives, Events, Fingerprints, Gpu, Steps, Table, Topology,
+)
+from rankwatch.base.topology import Layout
+from rankwatch.canary.config import CanaryConfig
 from rankwatch.cli import main
 from rankwatch.collector.rollup import MANIFEST, ROLLUP_DIR, rollup_all
-from rankwatch.collector.schema import (
-    SCHEMA_VERSION_KEY,
-    TELEMETRY_DIR,
-    Collectives,
-    CheckpointPhases,
-    Events,
-    Fingerprints,
-    Gpu,
-    Steps,
-    Table,
-    Topology,
-)
 from rankwatch.simulator import SimConfig, parse_sim_fault, simulate
-from rankwatch.trainer.canary import CanaryConfig
-from rankwatch.trainer.catalog import CHECKPOINT_DIR
-from rankwatch.trainer.parallel import Layout
-from rankwatch.trainer.manager import RUN_FILE
 
 pytestmark = pytest.mark.timeout(120)
 

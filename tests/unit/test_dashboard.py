@@ -12,10 +12,12 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from rankwatch.analytics import views
+
+from rankwatch.analytics.analyze import ensure_views
 from rankwatch.dashboard.data import LIVE_ENV, RUNS_ENV
 from views_support import STRAGGLER, analyzed_run
 
-APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+APP = Path(__file__).resolve().parents[2] / "src" / "rankwatch" / "dashboard" / "app.py"
 PAGES = ("progress", "incidents", "heatmap", "stragglers", "collectives", "topology", "breakdown", "timeline", "runs")
 
 
@@ -26,7 +28,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def straggler_id(run: Path) -> str:
-    store = views.ensure_views(run)
+    store = ensure_views(run)
     return next(i.id for i in store.incidents if STRAGGLER in i.ranks)
 
 
@@ -60,7 +62,7 @@ def test_progress_metrics(monkeypatch: pytest.MonkeyPatch, run: Path) -> None:
 
 
 def test_a_finished_run_is_not_live_however_recent(monkeypatch: pytest.MonkeyPatch, run: Path) -> None:
-    assert views.ensure_views(run).summary.ended  # every rank recorded its exit
+    assert ensure_views(run).summary.ended  # every rank recorded its exit
     at = _app(monkeypatch, run)
     monkeypatch.setenv(LIVE_ENV, "3600")
     at.run()
@@ -71,7 +73,7 @@ def test_a_finished_run_is_not_live_however_recent(monkeypatch: pytest.MonkeyPat
 def test_progress_live_when_telemetry_changed(monkeypatch: pytest.MonkeyPatch, run: Path, tmp_path: Path) -> None:
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
-    views.ensure_views(copy, refresh=True)
+    ensure_views(copy, refresh=True)
     part = next((copy / "telemetry" / "steps").glob("rank=*"))
     time.sleep(0.01)
     shutil.copy(next(part.glob("*.parquet")), part / "part-new.parquet")  # a rank published a part since

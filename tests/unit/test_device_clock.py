@@ -18,7 +18,7 @@ from rankwatch.analytics.analyze import analyze
 from rankwatch.analytics.frames import Clock
 from rankwatch.analytics.incidents import Cause, IncidentClass
 from rankwatch.analytics.store import connect
-from rankwatch.collector.schema import SCHEMA_VERSION_KEY, Table, column_names, storage_schema
+from rankwatch.base.schema import SCHEMA_VERSION_KEY, Table, column_names, storage_schema
 from rankwatch.collector.sink import partition_dir, rows_to_table
 
 MS = 1_000_000

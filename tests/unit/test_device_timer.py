@@ -9,17 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rankwatch.collector import (
-    Collector,
-    CollectorConfig,
-    CudaDeviceTimer,
-    DeviceTimer,
-    FakeDeviceTimer,
-    MemorySink,
-)
-from rankwatch.collector.collectives import GroupInfo
+from rankwatch.base.schema import Collectives, EventKind, Events, GroupKind, Phases, Steps, Table, column_names
+from rankwatch.base.topology import GroupInfo
+from rankwatch.collector import Collector, CollectorConfig, CudaDeviceTimer, DeviceTimer, FakeDeviceTimer, MemorySink
 from rankwatch.collector.collector import DEVICE_WARNING_PREFIX
-from rankwatch.collector.schema import Collectives, EventKind, Events, GroupKind, Phases, Steps, Table, column_names
 from rankwatch.collector.sink import Row
 
 GROUP = object()

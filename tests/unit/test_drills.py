@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.cli import main
-from rankwatch.drills import (
-    DRILLS, REPORT_FILE, DrillReport, Tamper, _cut_connections, _tamper, _tcp_connections, drill_config, read_report, report_json, report_table, run_drill,
+from rankwatch.canary.drills import (
+    DRILLS, REPORT_FILE, DrillReport, Tamper, drill_config, read_report, report_json, report_table, run_drill,
     write_report,
 )
-from rankwatch.monitor import Monitor
-from rankwatch.trainer.catalog import Verdict, list_checkpoints
+from rankwatch.canary.drills.run import _cut_connections, _tamper, _tcp_connections
+from rankwatch.cli import main
+from rankwatch.control.monitor import Monitor
+from rankwatch.recovery.catalog import Verdict, list_checkpoints
 from support import make_checkpoint
 
 PASS = DrillReport(name="sigkill", fault="SIGKILL of rank 1", passed=True, reason="bitwise equal", detected="fail_stop rank:1",

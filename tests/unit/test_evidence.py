@@ -11,18 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rankwatch.collector.schema import PARTITION_KEY, TELEMETRY_DIR, Table
-from rankwatch.trainer import evidence as ev
-from rankwatch.trainer.catalog import CHECKPOINT_DIR, MANIFEST, sha256_file
-from rankwatch.trainer.evidence import (
-    EVIDENCE_DIR,
-    EVIDENCE_FILE,
-    Method,
-    preserve_evidence,
-    verify_evidence,
-)
-from rankwatch.trainer.launch import RUN_FILE
-from rankwatch.trainer.lineage import LINEAGE_FILE
+from rankwatch.base.rundir import CHECKPOINT_DIR, EVIDENCE_DIR, LINEAGE_FILE, RUN_FILE, TELEMETRY_DIR
+from rankwatch.base.schema import PARTITION_KEY, Table
+from rankwatch.recovery import evidence as ev
+from rankwatch.recovery.catalog import MANIFEST, sha256_file
+from rankwatch.recovery.evidence import EVIDENCE_FILE, Method, preserve_evidence, verify_evidence
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -7,33 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from rankwatch.collector.schema import ThrottleReason, link_name
-from rankwatch.trainer.faults import (
-    FAULT_HELP,
-    THROTTLE_REASONS,
-    BadDevice,
-    DeviceError,
-    FailingDevice,
-    BitFlip,
-    Exit,
-    Fault,
-    Freeze,
-    FaultKind,
-    Faults,
-    FlipTarget,
-    GpuSlow,
-    Hang,
-    Kill,
-    Nudge,
-    SkewData,
-    SkewRng,
-    Slow,
-    SlowLink,
-    Throttle,
-    fault_spec,
+from rankwatch.base.schema import ThrottleReason
+from rankwatch.base.topology import link_name
+from rankwatch.canary.faults import (
+    FAULT_HELP, THROTTLE_REASONS, BadDevice, BitFlip, DeviceError, Exit, FailingDevice, Fault, FaultKind, Faults,
+    FlipTarget, Freeze, GpuSlow, Hang, Kill, Nudge, SkewData, SkewRng, Slow, SlowLink, Throttle, fault_spec,
     parse_fault,
 )
-from rankwatch.trainer.canary import ExtraCompute
+from rankwatch.canary.loop import ExtraCompute
 
 HOSTS = ["host0", "host1", "host2", "host3"]
 

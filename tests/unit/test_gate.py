@@ -10,15 +10,8 @@ from typing import Any
 
 import pytest
 
-from rankwatch.trainer.gate import (
-    ALL_FIELDS,
-    WORLD_FIELDS,
-    Domain,
-    Field,
-    GateVerdict,
-    RankState,
-    judge,
-)
+from rankwatch.recovery.decision import GateVerdict
+from rankwatch.recovery.gate import ALL_FIELDS, WORLD_FIELDS, Domain, Field, RankState, judge
 
 
 def _state(rank: int, **kw: Any) -> RankState:
@@ -82,8 +75,7 @@ def _gate_member(rank: int, world: int, store_path: str, skew: int, absent: int,
     import torch
     import torch.distributed as dist
 
-    from rankwatch.trainer.gate import run_gate
-    from rankwatch.trainer.gate import rank_state as state_of
+    from rankwatch.recovery.gate import rank_state as state_of, run_gate
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
@@ -121,6 +113,7 @@ def _spawn(tmp_path: Path, world: int, *, skew: int = -1, absent: int = -1) -> d
     return results
 
 
+@pytest.mark.slow  # four gloo ranks
 @pytest.mark.timeout(90)
 def test_gate_on_gloo_names_the_skewed_rank_and_unknown_when_a_member_is_absent(tmp_path: Path) -> None:
     results = _spawn(tmp_path / "a", 3, skew=2)

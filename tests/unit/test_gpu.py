@@ -17,20 +17,12 @@ import pyarrow.compute as pc
 import pynvml
 import pytest
 
+from rankwatch.base.schema import Gpu, Table, ThrottleReason, column_names, schema_for
 from rankwatch.collector import gpu
 from rankwatch.collector.gpu import (
-    H100_SXM,
-    DeviceInfo,
-    GpuMonitor,
-    GpuSample,
-    GpuSampler,
-    GpuUnavailable,
-    NvmlSampler,
-    ReplaySampler,
-    open_sampler,
+    H100_SXM, DeviceInfo, GpuMonitor, GpuSample, GpuSampler, GpuUnavailable, NvmlSampler, ReplaySampler, open_sampler,
     replay_uuid,
 )
-from rankwatch.collector.schema import Gpu, Table, ThrottleReason, column_names, schema_for
 
 UUID_RE = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 

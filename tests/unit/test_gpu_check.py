@@ -17,6 +17,7 @@ GPU_CHECKS = ("nvml sampler", "gpu_slow 1 rank (device)", "gpu_slow 2 ranks (ana
               "collector overhead (GPU step)", "CUDA device timer (in-process)")
 
 
+@pytest.mark.slow  # a 1-rank canary and the replay checks, in a subprocess
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU part is for a lent GPU machine, not CI")
 def test_cpu_part_passes_and_prints_one_table(tmp_path: Path) -> None:
@@ -35,11 +36,8 @@ def test_cpu_part_passes_and_prints_one_table(tmp_path: Path) -> None:
 
 
 def test_t_interval_and_table_rendering() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    import gpu_check  # benchmarks/ is on the tests' path (pyproject: pythonpath)
+
     mean, low, high = gpu_check.t_interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and low == pytest.approx(2.0 - 4.303 / 3**0.5) and high == pytest.approx(2.0 + 4.303 / 3**0.5)
     assert gpu_check.t_interval([5.0])[1:] == (float("-inf"), float("inf"))

@@ -14,7 +14,7 @@ from rankwatch.analytics.hardware import HardwareConfig, attribute_device_faults
 from rankwatch.analytics.incidents import (
     Cause, Evidence, HardwareSignal, Incident, IncidentClass, Subject, SubjectKind, read_incidents, write_incidents,
 )
-from rankwatch.collector.schema import ThrottleReason
+from rankwatch.base.schema import ThrottleReason
 
 N, STEPS, ONSET = 8, 60, 30
 MAX_MHZ = 1980.0

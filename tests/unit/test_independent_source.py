@@ -4,7 +4,6 @@ disjoint seed splits and the physics a real collector would record."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,20 +12,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from rankwatch.analytics.store import check_run
-from rankwatch.collector.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, storage_schema
+from rankwatch.base.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, storage_schema
+
+from detection import _localized  # benchmarks/ is on the tests' path (pyproject: pythonpath)
+from independent import HELDOUT2_SEEDS, HELDOUT_SEEDS, TUNE_SEEDS, Scenario, generate, phenomena, scenarios
+from independent.noise import healthy
+from independent.suite import SPLITS
+from independent.tables import Builder
+from independent.timeline import simulate
+from independent.world import World
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from independent import HELDOUT2_SEEDS, HELDOUT_SEEDS, TUNE_SEEDS, Scenario, generate, scenarios  # noqa: E402
-from independent.suite import SPLITS  # noqa: E402
-from independent import phenomena  # noqa: E402
-from independent.noise import healthy  # noqa: E402
-from independent.tables import Builder  # noqa: E402
-from independent.timeline import simulate  # noqa: E402
-from independent.world import World  # noqa: E402
-from detection import _localized  # noqa: E402
-
-sys.path.remove(str(ROOT / "benchmarks"))
 
 CLASSES = {"straggler", "fail_stop", "hang", "divergence", "corruption", "imbalance"}
 KINDS = {"rank", "device", "host", "link", "stage", "replica", "domain", "job"}

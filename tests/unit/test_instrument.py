@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rankwatch.base.schema import Collectives, Table, column_names
 from rankwatch.collector import Collector, CollectorConfig, MemorySink
 from rankwatch.collector.instrument import instrument_distributed
-from rankwatch.collector.schema import Collectives, Table, column_names
 
 
 @pytest.fixture

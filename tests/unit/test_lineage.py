@@ -10,24 +10,13 @@ from typing import Any
 
 import pytest
 
-from rankwatch.analytics import recovery
-from rankwatch.trainer.lineage import (
-    GENESIS,
-    ChangeReason,
-    Comparability,
-    Details,
-    EntryKind,
-    Lineage,
-    NewEntry,
-    Problem,
-    Verdict,
-    check_lineage,
-    comparability_of_resume,
-    lineage_path,
-    read,
-    verify,
+from rankwatch.base.schema import ChangeReason, Comparability
+from rankwatch.base.topology import Layout
+from rankwatch.recovery import policy as recovery
+from rankwatch.recovery.lineage import (
+    GENESIS, Details, EntryKind, Lineage, NewEntry, Problem, Verdict, check_lineage, comparability_of_resume,
+    lineage_path, read, verify,
 )
-from rankwatch.trainer.parallel import Layout
 
 SAME = Verdict.identical()
 
@@ -117,7 +106,7 @@ def test_tampering_is_found_at_the_first_broken_seq(tmp_path: Path, how: str, se
     elif how == "alter-hash":
         _edit(path, seq, "hash")
     elif how in ("edit-and-rehash", "edit-first-and-rehash"):
-        from rankwatch.trainer.lineage import Entry, _digest
+        from rankwatch.recovery.lineage import Entry, _digest
         e = Entry.from_dict(json.loads(lines[seq]))
         body = e.body()
         body["details"]["text"] = "forged"
@@ -230,6 +219,7 @@ def _appender(path: str, who: int, n: int, start: Any) -> None:
                             verdict=SAME))
 
 
+@pytest.mark.slow  # appender processes
 @pytest.mark.timeout(60)
 def test_concurrent_appenders_do_not_interleave(tmp_path: Path) -> None:
     path = lineage_path(tmp_path)

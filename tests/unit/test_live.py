@@ -10,8 +10,8 @@ import pytest
 from rankwatch.analytics.errors import RunDirError
 from rankwatch.analytics.incidents import IncidentClass
 from rankwatch.analytics.live import LiveAnalyzer, LiveConfig
+from rankwatch.base.topology import Layout
 from rankwatch.simulator import SimConfig, parse_sim_fault, simulate, split_tail
-from rankwatch.trainer.parallel import Layout
 
 
 def test_refresh_reads_only_new_parts_and_the_window_sees_a_late_straggler(tmp_path: Path) -> None:

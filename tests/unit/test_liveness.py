@@ -16,29 +16,13 @@ import torch
 from rankwatch.analytics.errors import RunDirError, SchemaVersionError
 from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.analytics.liveness import (
-    ExitRecord,
-    LivenessConfig,
-    LivenessMonitor,
-    LivenessView,
-    OpenCollective,
-    RankRecord,
-    RankState,
-    Seen,
-    classify,
-    decode_rank_record,
-    same_fault,
+    ExitRecord, LivenessConfig, LivenessMonitor, LivenessView, OpenCollective, RankRecord, RankState, Seen, classify,
+    decode_rank_record, same_fault,
 )
+from rankwatch.base.schema import LIVE_VERSION, CheckpointPhase, ExitField, GroupKind, LiveField, LiveState
+from rankwatch.base.topology import GroupInfo
 from rankwatch.collector import Collector, CollectorConfig, MemorySink
-from rankwatch.collector.collectives import GroupInfo
 from rankwatch.collector.liveness import encode_frame, exit_record_path, rank_record_path, write_exit_record
-from rankwatch.collector.schema import (
-    LIVE_VERSION,
-    CheckpointPhase,
-    ExitField,
-    GroupKind,
-    LiveField,
-    LiveState,
-)
 
 S = 1_000_000_000
 HB = S  # heartbeat interval of the synthetic records

@@ -7,14 +7,9 @@ import polars as pl
 
 from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.analytics.localize import (
-    FollowsKind,
-    Localization,
-    Occurrences,
-    QuarantineKind,
-    RunObservation,
-    localize,
+    FollowsKind, Localization, Occurrences, QuarantineKind, RunObservation, localize,
 )
-from rankwatch.collector.schema import link_name
+from rankwatch.base.topology import link_name
 
 PER_HOST, HOSTS = 4, 3
 WORLD = PER_HOST * HOSTS

@@ -6,9 +6,8 @@ import itertools
 
 import pytest
 
-from rankwatch.collector.collectives import GroupInfo
-from rankwatch.collector.schema import GroupKind, link_name
-from rankwatch.trainer.parallel import Hosts, Layout
+from rankwatch.base.schema import GroupKind
+from rankwatch.base.topology import GroupInfo, Hosts, Layout, link_name
 
 
 def test_layout_defaults_to_one_everywhere() -> None:
@@ -152,8 +151,8 @@ def test_degenerate_groups_have_no_links() -> None:
 
 
 def test_group_specs_cover_every_rank_once_per_kind() -> None:
-    from rankwatch.collector.schema import GroupKind
-    from rankwatch.trainer.parallel import group_specs
+    from rankwatch.base.schema import GroupKind
+    from rankwatch.base.topology import group_specs
 
     layout = Layout(dp=2, tp=2, pp=2)
     specs = group_specs(layout)

@@ -10,7 +10,8 @@ import nbformat
 import pytest
 from views_support import analyzed_run
 
-from rankwatch.analytics import views
+
+from rankwatch.analytics.analyze import ensure_views
 from rankwatch.analytics.incidents import sort_incidents
 from rankwatch.notebooks.runner import NOTEBOOK, run_postmortem
 
@@ -39,6 +40,7 @@ def test_committed_notebook_has_no_outputs_and_a_tagged_parameters_cell():
     assert len(tagged) == 1 and 'run_dir = ""' in tagged[0].source and "incident_id = None" in tagged[0].source
 
 
+@pytest.mark.slow  # executes the notebook
 def test_executes_on_a_run_with_figures_and_html(run: Path, tmp_path: Path):
     out = run_postmortem(run, out=tmp_path / "report.ipynb", html=tmp_path / "report.html")
     nb = nbformat.read(out, as_version=4)
@@ -46,19 +48,21 @@ def test_executes_on_a_run_with_figures_and_html(run: Path, tmp_path: Path):
     assert not [o for o in outs if o.output_type == "error"]
     assert not [o for o in outs if o.output_type == "stream" and o.name == "stderr"]
     assert sum("image/png" in o.get("data", {}) for o in outs) >= 3
-    first = sort_incidents(views.ensure_views(run).incidents)[0]
+    first = sort_incidents(ensure_views(run).incidents)[0]
     assert first.klass == "fail_stop"
     assert f"### `{first.id}` (the most consequential" in _text(nb)
     assert first.id in (tmp_path / "report.html").read_text()
 
 
+@pytest.mark.slow  # executes the notebook
 def test_incident_selection(run: Path, tmp_path: Path):
-    chosen = next(i for i in views.ensure_views(run).incidents if i.klass == "straggler")
+    chosen = next(i for i in ensure_views(run).incidents if i.klass == "straggler")
     nb = nbformat.read(run_postmortem(run, out=tmp_path / "r.ipynb", incident=chosen.id), as_version=4)
     assert not [o for o in _outputs(nb) if o.output_type == "error"]
     assert f"### `{chosen.id}` (chosen)" in _text(nb)
 
 
+@pytest.mark.slow  # executes the notebook
 def test_run_without_telemetry_is_one_line_and_partial_notebook_written(tmp_path: Path):
     empty = tmp_path / "empty-run"
     empty.mkdir()

@@ -13,7 +13,7 @@ import pytest
 from rankwatch.analytics import queries as q
 from rankwatch.analytics.errors import RunDirError, SchemaVersionError
 from rankwatch.analytics.store import connect, open_run
-from rankwatch.collector.schema import Table, column_names
+from rankwatch.base.schema import Table, column_names
 from rankwatch.collector.sink import partition_dir, rows_to_table
 
 MS = 1_000_000

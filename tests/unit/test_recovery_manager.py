@@ -12,20 +12,17 @@ import pytest
 
 from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.analytics.localize import FollowsKind
-from rankwatch.analytics.recovery import (
+from rankwatch.base.rundir import CHECKPOINT_DIR, QUARANTINE_FILE, RECOVERY_DIR, RUN_FILE
+from rankwatch.base.schema import LineageKind
+from rankwatch.base.topology import Layout
+from rankwatch.canary.config import CanaryConfig, canary_declaration, config_from_run
+from rankwatch.control.manager import apply, plan_recovery, quarantined, replay_basis
+from rankwatch.recovery.decision import (
     Action, CheckpointCatalogView, CheckpointRef, GateResult, GateVerdict, Idempotency, MembershipSupport,
-    RecurrenceView,
 )
-from rankwatch.collector.schema import LineageKind
-from rankwatch.trainer.canary import CanaryConfig
-from rankwatch.trainer.catalog import CHECKPOINT_DIR
-from rankwatch.trainer.launch import RUN_FILE, LaunchResult
-from rankwatch.trainer.lineage import lineage_path, read, verify
-from rankwatch.trainer.manager import (
-    QUARANTINE_FILE, RECOVERY_DIR, JobDeclaration, apply, canary_declaration, config_from_run, plan_recovery,
-    quarantined, replay_basis,
-)
-from rankwatch.trainer.parallel import Layout
+from rankwatch.recovery.job import JobDeclaration, LaunchResult
+from rankwatch.recovery.lineage import lineage_path, read, verify
+from rankwatch.recovery.policy import RecurrenceView
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -197,7 +194,7 @@ def test_apply_quarantine_writes_the_list_and_lineage_once(tmp_path: Path) -> No
     first = apply(cfg, plan, launcher=launcher)
     second = apply(cfg, plan, launcher=launcher)
     assert not launcher.calls and first.outcome == "quarantined" and second.outcome == "observed"
-    assert [(e["kind"], e["id"]) for e in quarantined(cfg.run_dir)] == [("host", "host1")]
+    assert [(e.kind, e.id) for e in quarantined(cfg.run_dir)] == [("host", "host1")]
     [entry] = read(lineage_path(cfg.run_dir))
     assert entry.kind is LineageKind.DEVICE_QUARANTINED and entry.details.subject == "host:host1"
     assert (cfg.run_dir / QUARANTINE_FILE).exists()
@@ -205,8 +202,8 @@ def test_apply_quarantine_writes_the_list_and_lineage_once(tmp_path: Path) -> No
 
 
 def test_a_reshuffle_rotates_ranks_so_another_rank_holds_each_suspect_device(tmp_path: Path) -> None:
-    from rankwatch.trainer.canary import placement
-    from rankwatch.trainer.manager import reshuffled
+    from rankwatch.canary.config import placement
+    from rankwatch.control.manager import reshuffled
 
     cfg = CanaryConfig(run_dir=tmp_path / "run", steps=10, layout=Layout.parse("dp=4", nproc=4), hosts=2,
                        slots_per_host=3)
@@ -243,8 +240,8 @@ def test_a_crash_loop_is_refused_after_too_many_failed_relaunches_in_a_row(tmp_p
 
 
 def test_config_from_run_keeps_the_machines_faults_and_drops_the_attempts(tmp_path: Path) -> None:
-    from rankwatch.trainer.faults import BadDevice, Faults, SlowLink
-    from rankwatch.trainer.launch import record_launch
+    from rankwatch.canary.faults import BadDevice, Faults, SlowLink
+    from rankwatch.canary.launch import record_launch
 
     faults = (Faults().bad_device(host=0, index=1, from_step=5, delay_s=0.08).slow_link(hosts=(0, 1), delay_s=0.01)
               .exit(rank=1, step=3).bitflip(rank=2, step=4))
@@ -283,8 +280,8 @@ def test_recover_command_on_a_folder_that_is_no_run_is_one_line(tmp_path: Path, 
 def test_apply_relaunches_off_the_quarantine_list_or_refuses_and_says_so(tmp_path: Path) -> None:
     from dataclasses import replace
 
+    from rankwatch.canary.config import placement
     from rankwatch.collector.gpu import replay_uuid
-    from rankwatch.trainer.canary import placement
 
     cfg = _run(tmp_path, ())
     bad = replay_uuid("host0", 1)  # rank 1's device

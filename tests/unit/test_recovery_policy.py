@@ -1,6 +1,6 @@
 """The recovery-scope policy: every documented case by hand, invariants over the whole input space, the doc table.
 
-All fail-stop and hang cases lose rank 3 of an 8-rank job (analytics/recovery.py `DECISION_CASES`).
+All fail-stop and hang cases lose rank 3 of an 8-rank job (recovery/policy.py `DECISION_CASES`).
 """
 
 from __future__ import annotations
@@ -13,32 +13,14 @@ import pytest
 
 from rankwatch.analytics.incidents import Cause, HardwareSignal, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.analytics.localize import FollowsKind, Localization
-from rankwatch.analytics.recovery import (
-    DECISION_CASES,
-    Action,
-    ChangeReason,
-    CheckpointCatalogView,
-    CheckpointRef,
-    Comparability,
-    Decision,
-    DecisionCase,
-    GateResult,
-    GateVerdict,
-    Idempotency,
-    LineageNote,
-    LineageRecord,
-    MembershipSupport,
-    RecurrenceView,
-    ScopeKind,
-    StateField,
-    TargetKind,
-    decide,
-    decision_rows,
-    doc_table_section,
-    quarantine_targets,
-    render_decision_table,
-    single_run_quarantines,
-    write_decision_doc,
+from rankwatch.base.schema import ChangeReason, Comparability
+from rankwatch.recovery.decision import (
+    Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, GateVerdict, Idempotency, LineageNote,
+    LineageRecord, MembershipSupport, ScopeKind, StateField, TargetKind,
+)
+from rankwatch.recovery.policy import (
+    DECISION_CASES, DecisionCase, RecurrenceView, decide, decision_rows, doc_table_section, quarantine_targets,
+    render_decision_table, single_run_quarantines, write_decision_doc,
 )
 
 A = Action
@@ -502,7 +484,7 @@ def test_catalog_and_lineage_note_validation() -> None:
 def test_doc_table_matches_the_policy() -> None:
     rendered = render_decision_table(decision_rows(DECISION_CASES))
     assert doc_table_section(DOC.read_text()) == rendered, (
-        "docs/recovery.md is stale: run `python -m rankwatch.analytics.recovery docs/recovery.md`")
+        "docs/recovery.md is stale: run `python -m rankwatch.recovery.policy docs/recovery.md`")
 
 
 def test_render_has_one_row_per_case_and_write_keeps_the_prose(tmp_path: Path) -> None:

@@ -14,12 +14,12 @@ import pytest
 from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Cause, IncidentClass, SubjectKind
 from rankwatch.analytics.replay import detect_replay_divergence, replay_checks, replay_comparisons
-from rankwatch.collector.schema import Table
+from rankwatch.base.rundir import RUN_FILE, read_launches
+from rankwatch.base.schema import Table
 from rankwatch.collector.sink import partition_dir
-from rankwatch.trainer.determinism import DeterminismInputs
-from rankwatch.trainer.lineage import Details, EntryKind, Lineage, NewEntry, Verdict, lineage_path
-from rankwatch.trainer.resume import last_completed_step, preflight
-from rankwatch.trainer.runfile import RUN_FILE, read_launches
+from rankwatch.recovery.determinism import DeterminismInputs
+from rankwatch.recovery.lineage import Details, EntryKind, Lineage, NewEntry, Verdict, lineage_path
+from rankwatch.recovery.resume import last_completed_step, preflight
 
 pytestmark = pytest.mark.timeout(60)
 

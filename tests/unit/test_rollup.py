@@ -18,23 +18,15 @@ from rankwatch.analytics.analyze import analyze
 from rankwatch.analytics.errors import RunDirError, SchemaVersionError
 from rankwatch.analytics.live import LiveAnalyzer, LiveConfig
 from rankwatch.analytics.store import ANALYZED_TABLES, analyzed_columns, connect, open_run, part_files
+from rankwatch.base.rundir import TELEMETRY_DIR
+from rankwatch.base.schema import PARTITION_KEY, SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table
+from rankwatch.base.topology import Layout
 from rankwatch.collector import rollup as rollup_mod
 from rankwatch.collector.rollup import (
-    COVERS_KEY,
-    MANIFEST,
-    ROLLUP_DIR,
-    host_dir,
-    host_ranks,
-    list_parts,
-    read_manifest,
-    rollup,
-    rollup_all,
-    run_agent,
+    COVERS_KEY, MANIFEST, ROLLUP_DIR, host_dir, host_ranks, list_parts, read_manifest, rollup, rollup_all, run_agent,
 )
-from rankwatch.collector.schema import PARTITION_KEY, SCHEMA_VERSION, SCHEMA_VERSION_KEY, TELEMETRY_DIR, Table
 from rankwatch.collector.sink import ParquetSink, SinkConfig
 from rankwatch.simulator import SimConfig, parse_sim_fault, simulate, split_tail
-from rankwatch.trainer.parallel import Layout
 
 pytestmark = pytest.mark.timeout(120)
 

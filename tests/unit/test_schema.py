@@ -9,31 +9,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rankwatch.collector.schema import (
-    COLUMNS,
-    GROUP_STRUCT,
-    LOW_PRIORITY,
-    SCHEMA_VERSION,
-    SCHEMA_VERSION_KEY,
-    SLOWDOWN_REASONS,
-    CheckpointPhases,
-    Collectives,
-    Events,
-    Fingerprints,
-    Gpu,
-    GroupField,
-    GroupKind,
-    Phases,
-    Steps,
-    Table,
-    ThrottleReason,
-    Topology,
-    column_names,
-    link_name,
-    render_markdown,
-    schema_for,
-    storage_schema,
+from rankwatch.base.schema import (
+    COLUMNS, GROUP_STRUCT, LOW_PRIORITY, SCHEMA_VERSION, SCHEMA_VERSION_KEY, SLOWDOWN_REASONS, CheckpointPhases,
+    Collectives, Events, Fingerprints, Gpu, GroupField, GroupKind, Phases, Steps, Table, ThrottleReason, Topology,
+    column_names, render_markdown, schema_for, storage_schema,
 )
+from rankwatch.base.topology import link_name
 from rankwatch.collector.sink import ParquetSink, SinkConfig, partition_dir, rows_to_table
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "telemetry.md"

@@ -1,7 +1,7 @@
 """The recovery manager service against its real HTTP server (uvicorn on 127.0.0.1, a free port): refusals with the
 right codes, counted in /status; at-most-once application, also across a restart on the same state file; decisions
 that stop the job, quarantine while it runs, or only record; Alertmanager deliveries as evidence only. The job is
-the shipped FakeLauncher (no torch ranks); the recovery is the real `trainer.manager.apply`."""
+the shipped FakeLauncher (no torch ranks); the recovery is the real `control.manager.apply`."""
 
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 
 from rankwatch.analytics.incidents import Cause, HardwareSignal, Incident, IncidentClass, Subject, SubjectKind
-from rankwatch.trainer.canary import CanaryConfig
-from rankwatch.trainer.lineage import lineage_path, read
-from rankwatch.trainer.manager import QUARANTINE_FILE, RECOVERY_DIR, quarantined
-from rankwatch.trainer.parallel import Layout
-from rankwatch.trainer.service import (
-    MANAGER_DIR, STATE_FILE, FakeLauncher, JobState, ManagerService, parse_message, plan_from_message, read_secret,
-)
+from rankwatch.base.rundir import MANAGER_DIR, QUARANTINE_FILE, RECOVERY_DIR, STATE_FILE
+from rankwatch.base.topology import Layout
+from rankwatch.canary.config import CanaryConfig
+from rankwatch.control.manager import plan_from_message, quarantined
+from rankwatch.control.service import JobState, ManagerService, read_secret
+from rankwatch.control.wire import parse_message
+from rankwatch.recovery.job import FakeLauncher
+from rankwatch.recovery.lineage import lineage_path, read
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,7 +144,7 @@ def job(run_dir: Path) -> CanaryConfig:
 
 def service(run_dir: Path, launcher: FakeLauncher, *, with_job: bool = True, **kw: Any) -> ManagerService:
     return ManagerService(run_dir, secret=SECRET, token=TOKEN, job=job(run_dir) if with_job else None,
-                          launcher=launcher, planner=plan_from_message, **kw)
+                          load_job=CanaryConfig.from_run, launcher=launcher, planner=plan_from_message, **kw)
 
 
 @pytest.fixture
@@ -268,7 +269,7 @@ def test_a_quarantine_decision_applies_it_and_leaves_the_job_running(
     assert code == 202 and not doc["stopping"]
     s = decided(svc)
     assert s["last_decision"]["outcome"] == "quarantined" and s["job"]["state"] == JobState.RUNNING
-    assert [(e["kind"], e["id"]) for e in quarantined(run_dir)] == [("device", "GPU-aa")]
+    assert [(e.kind, e.id) for e in quarantined(run_dir)] == [("device", "GPU-aa")]
     assert len(fake.calls) == 1
     # the same device again (another reading of the fault, after a relaunch): nothing new, no second record
     again = contract_body(run_dir, incident(IncidentClass.STRAGGLER, device="GPU-aa", attempt=1), action="quarantine")
@@ -350,11 +351,11 @@ def test_a_restart_reruns_accepted_decisions_but_never_started_ones(run_dir: Pat
     b1, b2 = contract_body(run_dir, first), contract_body(run_dir, second)
     FakeLauncher(("fail",))(job(run_dir), stop=__import__("threading").Event(), on_start=lambda p: None)
     # a service that died: one decision started (its action may have partly run), one accepted and never started
-    from rankwatch.trainer.service import _Ledger, _State
+    from rankwatch.control.ledger import Ledger, MessageState
 
-    db = _State(run_dir / MANAGER_DIR / STATE_FILE)
+    db = Ledger(run_dir / MANAGER_DIR / STATE_FILE)
     db.admit(msg_id(b1), hashlib.sha256(b1).hexdigest(), b1, parse_message(b1))
-    db.mark(msg_id(b1), _Ledger.STARTED)
+    db.mark(msg_id(b1), MessageState.STARTED)
     db.admit(msg_id(b2), hashlib.sha256(b2).hexdigest(), b2, parse_message(b2))
     db.close()
 
@@ -433,9 +434,11 @@ def test_read_secret_says_what_is_wrong(tmp_path: Path) -> None:
 def test_the_alerts_senders_messages_are_understood_and_acted_on(
     running: tuple[ManagerService, FakeLauncher], run_dir: Path
 ) -> None:
-    """The other side of the wire contract: analytics.alerts builds and signs, this service verifies and acts."""
-    from rankwatch.analytics.alerts import Signer, decision_fields, decision_message, incident_message
-    from rankwatch.analytics.recovery import CheckpointCatalogView, Idempotency, MembershipSupport, decide
+    """The other side of the wire contract: control.wire builds and signs, this service verifies and acts."""
+    from rankwatch.control.signer import Signer
+    from rankwatch.control.wire import decision_fields, decision_message, incident_message
+    from rankwatch.recovery.decision import CheckpointCatalogView, Idempotency, MembershipSupport
+    from rankwatch.recovery.policy import decide
 
     svc, fake = running
     inc = incident()
@@ -457,8 +460,8 @@ def test_the_alerts_senders_messages_are_understood_and_acted_on(
 
 
 def test_place_off_moves_every_host_by_one_shift_or_refuses_when_nothing_is_left(tmp_path: Path) -> None:
+    from rankwatch.canary.config import place_off, placement
     from rankwatch.collector.gpu import replay_uuid
-    from rankwatch.trainer.canary import place_off, placement
 
     cfg = CanaryConfig(run_dir=tmp_path, steps=5, layout=Layout(dp=4), hosts=2, slots_per_host=3, gpu="off")
     assert [s for _, s, _ in placement(cfg).values()] == [0, 1, 0, 1]
@@ -484,8 +487,8 @@ def test_place_off_moves_every_host_by_one_shift_or_refuses_when_nothing_is_left
 def test_a_relaunch_never_lands_on_a_quarantined_device(run_dir: Path, slots: int) -> None:
     from dataclasses import replace
 
+    from rankwatch.canary.config import placement
     from rankwatch.collector.gpu import replay_uuid
-    from rankwatch.trainer.canary import placement
 
     cfg = replace(job(run_dir), slots_per_host=slots)
     fake = FakeLauncher(("run", "ok"))
@@ -512,7 +515,7 @@ def test_a_relaunch_never_lands_on_a_quarantined_device(run_dir: Path, slots: in
 def test_an_address_in_use_fails_before_anything_is_launched(run_dir: Path, tmp_path: Path) -> None:
     import socket
 
-    from rankwatch.trainer.service import serve
+    from rankwatch.control.service import serve
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -529,9 +532,10 @@ def test_an_address_in_use_fails_before_anything_is_launched(run_dir: Path, tmp_
     secret = tmp_path / "secret"
     secret.write_text(SECRET)
     with pytest.raises(ValueError, match="expected HOST:PORT"):
-        serve(run_dir, listen="8787", secret_file=secret)
+        serve(run_dir, launcher=FakeLauncher(), load_job=CanaryConfig.from_run, listen="8787", secret_file=secret)
 
 
+@pytest.mark.slow  # the service in a process of its own
 def test_serve_runs_in_the_foreground_and_ends_cleanly_on_sigterm(tmp_path: Path) -> None:
     """What `rankwatch manager serve` calls: uvicorn in the main thread, its own SIGTERM handling, state closed."""
     import signal
@@ -545,9 +549,10 @@ def test_serve_runs_in_the_foreground_and_ends_cleanly_on_sigterm(tmp_path: Path
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import sys; from pathlib import Path; from rankwatch.trainer.service import serve; "
-            f"sys.exit(serve(Path({str(run_dir)!r}), listen='127.0.0.1:{port}', secret_file=Path({str(secret)!r}), "
-            "log_level='warning'))")
+    code = ("import sys; from pathlib import Path; from rankwatch.control.service import serve; "
+            "from rankwatch.canary import CanaryLauncher, config_from_run; "
+            f"sys.exit(serve(Path({str(run_dir)!r}), launcher=CanaryLauncher(), load_job=config_from_run, "
+            f"listen='127.0.0.1:{port}', secret_file=Path({str(secret)!r}), log_level='warning'))")
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
         def up() -> bool:

@@ -9,19 +9,11 @@ import pytest
 
 from rankwatch.analytics.incidents import Cause, IncidentClass, SubjectKind
 from rankwatch.analytics.store import connect, part_files
-from rankwatch.collector.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, storage_schema
-from rankwatch.trainer.parallel import Layout
+from rankwatch.base.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, storage_schema
+from rankwatch.base.topology import Layout
 from rankwatch.simulator import SimConfig, parse_sim_fault, read_labels, simulate, standard_suite
 from rankwatch.simulator.faults import (
-    Corruption,
-    CorruptionKind,
-    Divergence,
-    DivergeField,
-    FailHow,
-    FailStop,
-    Hang,
-    Straggler,
-    StragglerCause,
+    Corruption, CorruptionKind, DivergeField, Divergence, FailHow, FailStop, Hang, Straggler, StragglerCause,
 )
 
 LAYOUT = Layout(dp=4, tp=2, pp=2)

@@ -13,21 +13,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rankwatch.collector import sink as sink_mod
-from rankwatch.collector.schema import (
-    COLUMNS,
-    LOW_PRIORITY,
-    PARTITION_KEY,
-    SCHEMA_VERSION,
-    SCHEMA_VERSION_KEY,
-    TELEMETRY_DIR,
-    EventKind,
-    Events,
-    Gpu,
-    Table,
-    column_names,
-    storage_schema,
+from rankwatch.base.rundir import TELEMETRY_DIR
+from rankwatch.base.schema import (
+    COLUMNS, LOW_PRIORITY, PARTITION_KEY, SCHEMA_VERSION, SCHEMA_VERSION_KEY, EventKind, Events, Gpu, Table,
+    column_names, storage_schema,
 )
+from rankwatch.collector import sink as sink_mod
 from rankwatch.collector.sink import MemorySink, ParquetSink, Row, SinkConfig, partition_dir, rows_to_table
 
 FAST = SinkConfig(flush_interval_s=0.02)

@@ -13,7 +13,8 @@ import pytest
 from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, SubjectKind
 from rankwatch.analytics.straggler import StragglerConfig, detect_stragglers
-from rankwatch.collector.schema import ThrottleReason, link_name
+from rankwatch.base.schema import ThrottleReason
+from rankwatch.base.topology import link_name
 
 STEP_NS = 100_000_000  # 100 ms of compute per step
 

@@ -13,17 +13,10 @@ import pytest
 
 from rankwatch.analytics.incidents import Cause, IncidentClass
 from rankwatch.analytics.store import connect
+from rankwatch.base.topology import Layout
 from rankwatch.simulator import SimConfig, read_labels, simulate
 from rankwatch.simulator.config import Timing
-from rankwatch.simulator.faults import (
-    FailHow,
-    FailStop,
-    HostDataloader,
-    SlowLink,
-    Straggler,
-    StragglerCause,
-)
-from rankwatch.trainer.parallel import Layout
+from rankwatch.simulator.faults import FailHow, FailStop, HostDataloader, SlowLink, Straggler, StragglerCause
 
 LAYOUT = Layout(dp=8, tp=2, pp=2)
 SLOW = 13

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from rankwatch.base.rundir import RUN_FILE
+from rankwatch.canary.config import config_from_run
 from rankwatch.cli import main
-from rankwatch.trainer.lineage import Details, EntryKind, Lineage, NewEntry, Verdict, lineage_path
-from rankwatch.trainer.manager import config_from_run
-from rankwatch.trainer.runfile import RUN_FILE
+from rankwatch.recovery.lineage import Details, EntryKind, Lineage, NewEntry, Verdict, lineage_path
 
 pytestmark = pytest.mark.timeout(60)
 

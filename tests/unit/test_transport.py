@@ -12,7 +12,7 @@ from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Cause, IncidentClass, SubjectKind
 from rankwatch.analytics.liveness import classify
 from rankwatch.analytics.transport import TransportSide, partitioned, transport_side
-from rankwatch.collector.schema import LiveState
+from rankwatch.base.schema import LiveState
 from test_failstop import LAST, S, _coll, _ev, _liveness, _steps
 from test_liveness import DP, WORLD, exit_, now, rec
 

@@ -1,4 +1,4 @@
-"""The views people look at (analytics/views.py): built by the analysis, stored, read back, kept honest about
+"""The views people look at (analytics/views/): built by the analysis, stored, read back, kept honest about
 stale or damaged input, and arranged (heatmap, collective progress, timeline, topology status) from real runs."""
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rankwatch.analytics import views
+
+from rankwatch.analytics.analyze import ensure_views
 from rankwatch.analytics.errors import AnalyticsError, RunDirError
 from views_support import STRAGGLER, analyzed_run
 
@@ -28,7 +30,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_analysis_stores_views_that_read_back_without_analysing_again(run: Path) -> None:
     folder = views.views_dir(run)
     manifest = (folder / views.MANIFEST).stat().st_mtime_ns
-    store = views.ensure_views(run)
+    store = ensure_views(run)
     assert store.folder == folder and (folder / views.MANIFEST).stat().st_mtime_ns == manifest
     s = store.summary
     assert (s.ranks, s.first_step, s.last_step, s.layout, s.hosts) == (16, 0, 299, {"dp": 4, "tp": 2, "pp": 2}, 4)
@@ -43,7 +45,7 @@ def test_the_analysis_stores_views_that_read_back_without_analysing_again(run: P
 
 
 def test_the_leaderboard_puts_the_straggler_first_with_its_incident(run: Path) -> None:
-    lb = views.ensure_views(run).frame("leaderboard")
+    lb = ensure_views(run).frame("leaderboard")
     top = lb.row(0, named=True)
     assert top["rank"] == STRAGGLER and top["score"] > 1.2 and "straggler" in top["incidents"]
     assert 0.5 < top["persistence"] <= 1 and lb["persistence"][1:].max() < 0.1  # type: ignore[operator]
@@ -51,7 +53,7 @@ def test_the_leaderboard_puts_the_straggler_first_with_its_incident(run: Path) -
 
 
 def test_incidents_carry_the_decision_and_its_status(run: Path) -> None:
-    store = views.ensure_views(run)
+    store = ensure_views(run)
     decided = views.decisions(run)
     assert decided["status"].to_list() == ["proposed"] and decided["path"][0].len() > 0
     table = views.incident_table(store.incidents, decided, store.summary.start_wall_ns)
@@ -63,7 +65,7 @@ def test_incidents_carry_the_decision_and_its_status(run: Path) -> None:
 
 
 def test_the_detail_shows_the_subject_against_its_peers_around_the_onset(run: Path) -> None:
-    store = views.ensure_views(run)
+    store = ensure_views(run)
     inc = store.incidents[0]
     d = views.incident_detail(store, inc)
     subject = d.series.filter(pl.col("who") == "subject")
@@ -80,7 +82,7 @@ def test_the_detail_shows_the_subject_against_its_peers_around_the_onset(run: Pa
 
 
 def test_the_heatmap_bins_keep_the_largest_value(run: Path) -> None:
-    store = views.ensure_views(run)
+    store = ensure_views(run)
     full = store.frame("rank_steps")
     hm = views.heatmap(store, "step_ms", max_ranks=4, max_steps=30)
     assert hm.height == 4 * 30
@@ -94,7 +96,7 @@ def test_the_heatmap_bins_keep_the_largest_value(run: Path) -> None:
 
 
 def test_the_timeline_holds_starts_checkpoints_the_incident_the_decision_and_the_lineage(run: Path) -> None:
-    store = views.ensure_views(run)
+    store = ensure_views(run)
     tl = views.timeline(store, store.incidents, views.decisions(run), views.lineage(run))
     kinds = tl["kind"].to_list()
     assert kinds[0] == "start" and kinds.count("checkpoint saved") == 3 and kinds.count("incident") == 1
@@ -116,7 +118,7 @@ def test_comparability_names_what_changed(tmp_path: Path) -> None:
 
 
 def test_topology_marks_incidents_and_quarantine(run: Path, tmp_path: Path) -> None:
-    store = views.ensure_views(run)
+    store = ensure_views(run)
     device = store.frame("topology").filter(pl.col("rank") == 3)["device_uuid"].item()
     (tmp_path / "quarantine.json").write_text(json.dumps({"entries": [{"kind": "device", "id": device,
                                                                         "incident": "x"}]}))
@@ -131,19 +133,19 @@ def test_topology_marks_incidents_and_quarantine(run: Path, tmp_path: Path) -> N
 
 def test_collective_progress_names_the_hung_rank(tmp_path: Path) -> None:
     run = analyzed_run(tmp_path / "hang", steps=200, faults=("hang:rank=6,step=120",))
-    col = views.ensure_views(run).frame("collectives")
+    col = ensure_views(run).frame("collectives")
     behind = col.filter(pl.col("behind") > 0)
     # its tensor- and pipeline-parallel peers wait for it, so they never reach their data-parallel all-reduce either
     assert set(behind["rank"]) == {6, 7, 14, 15}
     assert set(col.filter(pl.col("missing"))["rank"]) == {6}
     assert set(col.filter(pl.col("waiting"))["rank"]) == set(range(16)) - {6}  # every other rank waits somewhere
-    assert not views.ensure_views(run).summary.ended  # the hung rank never exited
+    assert not ensure_views(run).summary.ended  # the hung rank never exited
 
 
 def test_views_of_a_copied_run_belong_to_the_copy_and_say_it_ended(run: Path, tmp_path: Path) -> None:
     copy = tmp_path / "moved"
     shutil.copytree(run, copy)
-    store = views.ensure_views(copy)
+    store = ensure_views(copy)
     assert store.run_dir == copy and store.summary.run_dir == str(run)  # views built elsewhere, read for the copy
     assert store.summary.ended and not store.stale()
     part = next((copy / "telemetry" / "steps").glob("rank=*"))
@@ -155,31 +157,31 @@ def test_stale_views_are_told_and_rebuilt(run: Path, tmp_path: Path) -> None:
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     shutil.rmtree(views.views_dir(copy))
-    store = views.ensure_views(copy)  # none stored: the analysis builds them
+    store = ensure_views(copy)  # none stored: the analysis builds them
     assert not store.stale()
     part = next((copy / "telemetry").rglob("*.parquet"))
     shutil.copy(part, part.with_name("part-99999.parquet"))
     assert store.stale()
-    assert views.ensure_views(copy).summary == store.summary  # without refresh: what is stored
+    assert ensure_views(copy).summary == store.summary  # without refresh: what is stored
     with pytest.raises(AnalyticsError):  # a copied part is damaged input, never a fresh answer
-        views.ensure_views(copy, refresh=True)
+        ensure_views(copy, refresh=True)
 
 
 def test_damaged_or_missing_input_is_one_line_never_an_empty_answer(run: Path, tmp_path: Path) -> None:
     with pytest.raises(RunDirError, match="no such run directory"):
-        views.ensure_views(tmp_path / "absent")
+        ensure_views(tmp_path / "absent")
     (tmp_path / "empty").mkdir()
     with pytest.raises(AnalyticsError, match="no telemetry"):
-        views.ensure_views(tmp_path / "empty")
+        ensure_views(tmp_path / "empty")
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
     (views.views_dir(copy) / views.MANIFEST).write_text("{not json")
     with pytest.raises(RunDirError, match=r"manifest.json: unreadable views manifest") as err:
-        views.ensure_views(copy)
+        ensure_views(copy)
     assert "\n" not in str(err.value)
     (views.views_dir(copy) / views.MANIFEST).write_text(json.dumps({"version": 99}))
     with pytest.raises(RunDirError, match="views version 99"):
-        views.ensure_views(copy)
+        ensure_views(copy)
     (copy / "recovery" / "recovery-0001.json").write_text(json.dumps({"id": "r1", "decisions": [{"class": "x"}]}))
     with pytest.raises(RunDirError, match=r"recovery-0001.json: not a recovery record"):
         views.decisions(copy)
@@ -191,7 +193,7 @@ def test_views_of_a_run_whose_folder_cannot_be_written_go_to_the_cache(run: Path
     copy = tmp_path / "ro"
     shutil.copytree(run / "telemetry", copy / "telemetry")
     (copy / "analysis").write_text("a file where the analysis folder would be")
-    store = views.ensure_views(copy)
+    store = ensure_views(copy)
     assert str(store.folder).startswith(str(tmp_path / "cache")) and store.summary.ranks == 16
     assert views.stored_views(copy) is not None and views.stored_views(copy).folder == store.folder  # type: ignore[union-attr]
 
@@ -199,7 +201,7 @@ def test_views_of_a_run_whose_folder_cannot_be_written_go_to_the_cache(run: Path
 def test_live_progress_reads_what_was_written_since_the_views_and_merges_it(run: Path, tmp_path: Path) -> None:
     copy = tmp_path / "live"
     shutil.copytree(run, copy)
-    store = views.ensure_views(copy)
+    store = ensure_views(copy)
     # every part the views read was written before their newest record (as in a run being written)
     old = (store.summary.end_wall_ns - 2 * views.LIVE_SKEW_NS) / 1e9
     for part in (copy / "telemetry").rglob("*.parquet"):

@@ -1,0 +1,323 @@
+"""Incidents: one typed, frozen record per thing that went wrong, with the evidence behind it.
+
+Every detector returns a tuple of `Incident`. An incident names its failure class, the subject at the level the
+evidence supports (a rank, a device, a host's input pipeline, an inter-host link, a pipeline stage, a data-parallel
+replica, the job), the ranks involved, when it started and when it could first be told, how sure the detector is,
+the cause when the evidence supports one, and the rows that support it. An incident whose device shows direct
+hardware evidence (`hardware`: throttling with clock loss, new uncorrectable ECC errors, hardware XIDs, corrected
+ECC errors rising on that device only) is a device fault (`device_fault`) and names the device as its subject.
+
+Incidents serialize to JSON (`to_json`) and to a parquet table (`incidents_table`) with one row per incident and
+the evidence as a JSON string column; `read_incidents` reads either back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rankwatch.base.rundir import INCIDENTS_JSON, INCIDENTS_PARQUET, atomic_write
+
+INCIDENTS_VERSION = 2
+"""2: `hardware` (and `device_fault`, derived from it) added; version-1 files read as incidents without hardware
+evidence."""
+EVIDENCE_ROWS_MAX = 20
+"""Evidence keeps at most this many rows per item: enough to show the pattern, small enough to read."""
+
+
+class IncidentClass(StrEnum):
+    STRAGGLER = "straggler"
+    """Alive but late: a rank, host input pipeline or link that holds the others back, persistently or in bursts."""
+    FAIL_STOP = "fail_stop"
+    """Gone: the rank stopped (exit, signal, killed) while its peers went on or blocked waiting for it."""
+    HANG = "hang"
+    """Alive but stuck: the process still beats its heartbeat but no longer completes steps or collectives."""
+    DIVERGENCE = "divergence"
+    """Ranks of one consistency domain disagree on step, RNG, data position, or state after such a disagreement."""
+    CORRUPTION = "corruption"
+    """Wrong values, no error: a state disagreement while step, RNG and data position agree, non-finite values,
+    or local gradient-norm / loss outliers before the all-reduce."""
+    IMBALANCE = "imbalance"
+    """A job-design issue, not a device fault: a whole pipeline stage slower than the others, or random
+    per-step data skew that makes a different rank late each step."""
+    UNCLASSIFIED = "unclassified"
+    """The anomaly model saw something unusual that no class explains; reported, not guessed."""
+
+
+class SubjectKind(StrEnum):
+    RANK = "rank"
+    DEVICE = "device"
+    HOST = "host"
+    LINK = "link"
+    STAGE = "stage"
+    REPLICA = "replica"
+    DOMAIN = "domain"
+    JOB = "job"
+
+
+class Cause(StrEnum):
+    UNKNOWN = "unknown"
+    # straggler causes
+    THERMAL_THROTTLE = "thermal_throttle"
+    POWER_THROTTLE = "power_throttle"
+    HW_SLOWDOWN = "hw_slowdown"
+    DATALOADER = "dataloader"
+    CHECKPOINT_IO = "checkpoint_io"
+    SLOW_LINK = "slow_link"
+    DEVICE_SLOW = "device_slow"
+    """Device clock: the rank's GPU took longer for its own work while its host thread kept pace (no throttle bits
+    explain it)."""
+    HOST_STALL = "host_stall"
+    """Device clock: the rank's host thread took longer in its phases (outside dataloader waits), and its GPU waited
+    for it — a stalled host thread or a slow CPU-side step, not the GPU."""
+    # imbalance causes
+    STAGE_IMBALANCE = "stage_imbalance"
+    DATA_SKEW = "data_skew"
+    # fail-stop / hang causes
+    EXIT = "exit"
+    SIGNAL = "signal"
+    EXCEPTION = "exception"
+    VANISHED = "vanished"
+    NETWORK = "network"
+    """The rank's own connections failed locally (aborted by its own stack, network down or unreachable) while its
+    peers saw it go (analytics.transport): a partition of that rank; its process may be alive."""
+    STUCK_IN_COLLECTIVE = "stuck_in_collective"
+    STUCK_IN_STEP = "stuck_in_step"
+    TRANSIENT_STALL = "transient_stall"
+    """A rank stalled for seconds (one step many times the usual) while its peers waited for it, then carried on."""
+    # divergence causes (the first field that disagreed)
+    STEP_MISMATCH = "step_mismatch"
+    RNG_MISMATCH = "rng_mismatch"
+    DATA_POSITION_MISMATCH = "data_position_mismatch"
+    STATE_MISMATCH = "state_mismatch"
+    NONDETERMINISTIC_REPLAY = "nondeterministic_replay"
+    """A step trained again after a rollback ended in another state than the attempt that trained it first."""
+    # corruption causes
+    HARDWARE_ERROR = "hardware_error"
+    NON_FINITE = "non_finite"
+    GRAD_NORM_OUTLIER = "grad_norm_outlier"
+    LOSS_OUTLIER = "loss_outlier"
+    VALUE_MISMATCH = "value_mismatch"
+
+
+class HardwareSignal(StrEnum):
+    """Direct evidence, from the device's own counters, that its hardware is at fault."""
+
+    THROTTLE = "throttle"
+    """Slowdown throttle reasons (thermal, power, hardware slowdown) on the device during its slow steps, not on its
+    peers."""
+    CLOCK_LOSS = "clock_loss"
+    """The device's SM clock (relative to its max) below its peers' during its slow steps, by enough to explain a
+    good part of the slowdown."""
+    ECC_DBE = "ecc_dbe"
+    """New uncorrectable (double-bit) ECC errors during the run."""
+    XID = "xid"
+    """Hardware XID events (memory, bus, NVLink faults; not application errors)."""
+    ECC_SBE_RISING = "ecc_sbe_rising"
+    """Corrected (single-bit) ECC errors rising during the run on this device, not on the others."""
+    ROW_REMAP = "row_remap"
+    """New remapped rows or retired pages during the run (the memory took a faulty row out of use)."""
+    DRIVER_ERROR = "driver_error"
+    """The rank's own error event carries the CUDA driver's report of a hardware fault on its device (uncorrectable
+    ECC or NVLink error, the GPU fallen off the bus, a hardware XID): direct evidence even when the rank died before
+    its NVML sampler read the counters."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Subject:
+    """What the incident is about. `id` is the rank number, device UUID, host name, link name ('h0<->h1'),
+    stage ('pp=1'), replica ('dp=0'), consistency-domain name, or 'job'."""
+
+    kind: SubjectKind
+    id: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.id}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Evidence:
+    """Rows behind an incident: which named query or table they come from, what they show, and up to
+    `EVIDENCE_ROWS_MAX` rows of it (values are JSON scalars)."""
+
+    source: str
+    summary: str
+    columns: tuple[str, ...] = ()
+    rows: tuple[tuple[Any, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.rows) > EVIDENCE_ROWS_MAX:
+            object.__setattr__(self, "rows", self.rows[:EVIDENCE_ROWS_MAX])
+        for row in self.rows:
+            if len(row) != len(self.columns):
+                raise ValueError(f"evidence {self.source!r}: row {row!r} has {len(row)} values for {len(self.columns)} columns")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Incident:
+    """One incident. `confidence` is in [0, 1]: 1 = the evidence admits no other reading, 0.5 = as likely as not.
+    `onset_step` is the first step the fault shows in; `detection_step` the step by which the detector had enough
+    evidence to raise it (onset + the persistence it requires); `detection_wall_ns` that step's wall-clock end.
+    `fields` names what disagreed or was abnormal (fingerprint fields, counters, signals). `hardware` is the direct
+    hardware evidence found on the subject device (an `Evidence` item shows the rows); non-empty only for a DEVICE
+    subject, and then the incident is a device fault. `last_good_step`, where the evidence is sampled (fingerprints
+    every N steps), is the last step the subject's state was seen sound (the previous fingerprint its domain agreed
+    on): the fault lies somewhere in (last_good_step, onset_step], so a recovery point saved after last_good_step may
+    already hold it. None when the onset is exact (or nothing earlier was seen)."""
+
+    klass: IncidentClass
+    subject: Subject
+    ranks: tuple[int, ...]
+    onset_step: int | None
+    detection_step: int | None
+    confidence: float
+    cause: Cause
+    summary: str
+    detection_wall_ns: int | None = None
+    fields: tuple[str, ...] = ()
+    evidence: tuple[Evidence, ...] = ()
+    attempt: int | None = None
+    hardware: tuple[HardwareSignal, ...] = ()
+    last_good_step: int | None = None
+    id: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.confidence <= 1.0:
+            raise ValueError(f"incident {self.klass} {self.subject}: confidence {self.confidence} outside [0, 1]")
+        if self.hardware and self.subject.kind is not SubjectKind.DEVICE:
+            raise ValueError(f"incident {self.klass} {self.subject}: hardware evidence {[str(h) for h in self.hardware]} "
+                             "names a device, but the subject is not one")
+        object.__setattr__(self, "hardware", tuple(dict.fromkeys(HardwareSignal(h) for h in self.hardware)))
+        if (self.last_good_step is not None and self.onset_step is not None
+                and not self.last_good_step < self.onset_step):
+            raise ValueError(f"incident {self.klass} {self.subject}: last good step {self.last_good_step} is not "
+                             f"before the onset at step {self.onset_step}")
+        object.__setattr__(self, "ranks", tuple(sorted({int(r) for r in self.ranks})))
+        if not self.id:
+            key = f"{self.klass}|{self.subject}|{self.onset_step}|{','.join(map(str, self.ranks))}"
+            object.__setattr__(self, "id", f"{self.klass}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
+
+    @property
+    def device_fault(self) -> bool:
+        """True when direct hardware evidence implicates the subject device (`hardware` is non-empty)."""
+        return bool(self.hardware)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "class": str(self.klass),
+            "subject_kind": str(self.subject.kind),
+            "subject": self.subject.id,
+            "ranks": list(self.ranks),
+            "onset_step": self.onset_step,
+            "last_good_step": self.last_good_step,
+            "detection_step": self.detection_step,
+            "detection_wall_ns": self.detection_wall_ns,
+            "confidence": round(self.confidence, 4),
+            "cause": str(self.cause),
+            "summary": self.summary,
+            "fields": list(self.fields),
+            "attempt": self.attempt,
+            "device_fault": self.device_fault,
+            "hardware": [str(h) for h in self.hardware],
+            "evidence": [
+                {"source": e.source, "summary": e.summary, "columns": list(e.columns), "rows": [list(r) for r in e.rows]}
+                for e in self.evidence
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Incident:
+        try:
+            return cls(
+                id=d["id"],
+                klass=IncidentClass(d["class"]),
+                subject=Subject(kind=SubjectKind(d["subject_kind"]), id=str(d["subject"])),
+                ranks=tuple(d["ranks"]),
+                onset_step=d["onset_step"],
+                last_good_step=d.get("last_good_step"),
+                detection_step=d["detection_step"],
+                detection_wall_ns=d.get("detection_wall_ns"),
+                confidence=float(d["confidence"]),
+                cause=Cause(d["cause"]),
+                summary=d["summary"],
+                fields=tuple(d.get("fields", ())),
+                attempt=d.get("attempt"),
+                hardware=tuple(HardwareSignal(h) for h in (d.get("hardware") or ())),
+                evidence=tuple(
+                    Evidence(source=e["source"], summary=e["summary"], columns=tuple(e["columns"]),
+                             rows=tuple(tuple(r) for r in e["rows"]))
+                    for e in d.get("evidence", ())
+                ),
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ValueError(f"incident record {d.get('id', '?')!r}: {type(exc).__name__}: {exc}") from None
+
+
+def sort_incidents(incidents: Iterable[Incident]) -> tuple[Incident, ...]:
+    """Most consequential first: fail-stop and hang, corruption, divergence, straggler, imbalance, unclassified;
+    then by onset."""
+    order = {c: i for i, c in enumerate((IncidentClass.FAIL_STOP, IncidentClass.HANG, IncidentClass.CORRUPTION,
+                                          IncidentClass.DIVERGENCE, IncidentClass.STRAGGLER, IncidentClass.IMBALANCE,
+                                          IncidentClass.UNCLASSIFIED))}
+    return tuple(sorted(incidents, key=lambda i: (order[i.klass], i.onset_step if i.onset_step is not None else -1, i.id)))
+
+
+def to_json(incidents: Sequence[Incident]) -> str:
+    return json.dumps({"version": INCIDENTS_VERSION, "incidents": [i.to_dict() for i in incidents]}, indent=2)
+
+
+_TABLE_SCHEMA = pa.schema([
+    ("id", pa.string()), ("class", pa.string()), ("subject_kind", pa.string()), ("subject", pa.string()),
+    ("ranks", pa.list_(pa.int32())), ("onset_step", pa.int64()), ("detection_step", pa.int64()),
+    ("detection_wall_ns", pa.int64()), ("confidence", pa.float64()), ("cause", pa.string()),
+    ("summary", pa.string()), ("fields", pa.list_(pa.string())), ("attempt", pa.int32()), ("evidence", pa.string()),
+    ("device_fault", pa.bool_()), ("hardware", pa.list_(pa.string())), ("last_good_step", pa.int64()),
+])
+
+
+def incidents_table(incidents: Sequence[Incident]) -> pa.Table:
+    rows = []
+    for inc in incidents:
+        d = inc.to_dict()
+        d["evidence"] = json.dumps(d["evidence"])
+        rows.append(d)
+    return pa.Table.from_pylist(rows, schema=_TABLE_SCHEMA)
+
+
+def write_incidents(incidents: Sequence[Incident], out_dir: Path) -> tuple[Path, Path]:
+    """Write `incidents.parquet` and `incidents.json` into `out_dir`, each published whole (`base.rundir.atomic_write`).
+    A failed write (OSError: a full disk) leaves no temporary file, nor the folder where it made one."""
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pq_path, js_path = out_dir / INCIDENTS_PARQUET, out_dir / INCIDENTS_JSON
+    try:
+        atomic_write(pq_path, lambda tmp: pq.write_table(incidents_table(incidents), tmp))
+        atomic_write(js_path, to_json(incidents))
+    except BaseException:
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
+    return pq_path, js_path
+
+
+def read_incidents(path: Path) -> tuple[Incident, ...]:
+    """Read incidents back from an `incidents.json` or `incidents.parquet` file."""
+    try:
+        if path.suffix == ".json":
+            records = json.loads(path.read_text())["incidents"]
+        else:
+            records = pq.read_table(path).to_pylist()
+            for r in records:
+                r["evidence"] = json.loads(r["evidence"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{path}: not a readable incidents file ({type(exc).__name__}: {exc})") from None
+    return tuple(Incident.from_dict(r) for r in records)

@@ -1,0 +1,691 @@
+"""The recovery manager as a service: signed alerts in over HTTP, the existing policy and plan applied to the job it
+owns.
+
+    ManagerService(run_dir, secret=..., job=cfg).start()   the object form (tests; port 0 picks a free port)
+    serve(run_dir, listen="127.0.0.1:PORT", secret_file=F, job=cfg)   the same, blocking until SIGINT / SIGTERM
+
+A thin shell (Starlette on uvicorn) over `control.manager`: the HTTP layer only caps the body, verifies the Standard
+Webhooks signature, parses the wire contract into a typed `AlertMessage` (`control.wire`) and hands it to `Manager`,
+which owns the job (its `Launcher` in a background thread, ended at once through its `stop` event) and runs
+`assess` / `apply` — the same functions `rankwatch recover` and `train --supervise` use. The job is any
+`recovery.job.Job` with its `Launcher`; a service started without one reads the run's latest launch back through
+`load_job` (the canary's: `CanaryConfig.from_run`). The ledger is `control.ledger`.
+
+POST /alerts — rankwatch-signed messages (docs/manager.md has the contract and the codes). Checked in this order:
+    413 body over `max_body` (Content-Length, then the streamed read is capped; nothing unbounded is read)
+    401 missing webhook-id / -timestamp / -signature, a timestamp that is no integer, a timestamp outside +-5 min,
+        a malformed signature header, a signature that does not match
+    400 a body that is not UTF-8 JSON of the contract (the message names the missing key), or another run's message
+    409 an id already seen with a different body;  200 {"duplicate": true} the same id and body again
+    202 a decision accepted (queued);  200 an incident message recorded
+Each refusal is one log line (path, request id, why) and a counter in GET /status.
+
+At most once: every accepted id is committed to <run>/manager/state.sqlite with its body's SHA-256 before anything is
+done about it (state "accepted"), and a decision is marked "started" (committed) before its action begins, then
+"done" or "failed" with the outcome and the recovery id. On a restart, "accepted" decisions (nothing begun) are
+queued again; "started" ones are marked "interrupted" and NOT re-run: the action may have partly happened (evidence,
+quarantine, a relaunch), so an operator reads <run>/recovery and the lineage and decides (`rankwatch recover`).
+
+What a decision does (only signed "decision" messages act):
+    observe                                     recorded, nothing else
+    quarantine (no relaunch)                    the manager's policy re-decides the message's incident; its
+                                                quarantines are applied (list + lineage + record); the job runs on
+    a relaunching action, or a fail-stop/hang   the running attempt is stopped at once, on receipt (SIGTERM, SIGKILL
+                                                after term_grace_s; no wait for the collective timeout); then, in the
+                                                background, `assess` on the run -> plan (the message's incident is
+                                                added when the post-hoc analysis did not raise it) -> `apply`, whose
+                                                relaunch is again an attempt the service can stop
+Actions are serialized: one worker thread takes decisions in arrival order. A decision arriving while a recovery runs
+is queued; when its turn comes, `assess` skips what earlier recoveries handled, so one whose incident the running
+recovery covered ends as "covered by recovery-NNNN" with nothing done twice. A decision about an incident of an
+attempt that a later attempt already replaced, or about one a recovery acted on (its record names it, or it is in the
+plan being applied), never stops the newer attempt.
+
+POST /alertmanager — deliveries of a real Alertmanager (which cannot sign): `Authorization: Bearer <token>` or 401;
+deduplicated by groupKey + status + sorted alert fingerprints; recorded as evidence only (<run>/manager/
+alertmanager.jsonl, /status). They never stop, roll back or quarantine anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import queue
+import re
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from rankwatch.base.rundir import RunDir, read_launches
+from rankwatch.control.ledger import Ledger, MessageState
+from rankwatch.control.manager import (
+    Planner, apply, covering, latest_recovery, place_off_quarantine, plan_from_message, plan_live, quarantined,
+)
+from rankwatch.control.signer import load_secret, signature_problem
+from rankwatch.control.wire import AlertMessage, MessageType, parse_message, typed_key
+from rankwatch.recovery.decision import Action
+from rankwatch.recovery.job import Job, JobLoader, LaunchResult, Launcher
+
+__all__ = [
+    "DEFAULT_MAX_BODY", "TOLERANCE_S", "JobState", "Manager", "ManagerService", "PlacementRefused",
+    "Refusal", "Reply", "read_secret", "serve",
+]
+
+log = logging.getLogger("rankwatch.manager")
+
+DEFAULT_MAX_BODY = 1 << 20
+"""Bytes; a rankwatch message is a few KiB (an incident carries at most EVIDENCE_ROWS_MAX rows per evidence item)."""
+TOLERANCE_S = 300
+"""Seconds a webhook-timestamp may be off the service's clock either way (Standard Webhooks' own tolerance)."""
+_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+
+
+class Refusal(StrEnum):
+    """Why a request was refused (the keys of /status "refused")."""
+
+    TOO_LARGE = "too_large"
+    MISSING_HEADERS = "missing_headers"
+    MALFORMED_HEADERS = "malformed_headers"
+    """A webhook-id or webhook-timestamp of the wrong shape."""
+    STALE_TIMESTAMP = "stale_timestamp"
+    MALFORMED_SIGNATURE = "malformed_signature"
+    BAD_SIGNATURE = "bad_signature"
+    MALFORMED_BODY = "malformed_body"
+    WRONG_RUN = "wrong_run"
+    REPLAYED_ID = "replayed_id"
+    """A seen id with a different body (the same body again is a duplicate, answered 200, not a refusal)."""
+    BAD_TOKEN = "bad_token"
+    """/alertmanager without the bearer token (or no token configured)."""
+
+
+class JobState(StrEnum):
+    NONE = "none"
+    """No attempt launched by this service yet (it was started without a job, or after a restart)."""
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPED = "stopped"
+    """The service stopped the attempt; a recovery follows."""
+    RECOVERING = "recovering"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+# --------------------------------------------------------------------------------------------------- the manager
+
+
+@dataclass(slots=True)
+class _Attempt:
+    stop: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    number: int | None = None
+    pids: tuple[int, ...] = ()
+    result: LaunchResult | None = None
+
+
+class PlacementRefused(RuntimeError):
+    """No placement of the job avoids the quarantine list; nothing was launched."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reply:
+    status: int
+    body: dict[str, Any]
+
+
+class Manager:
+    """The service's state and actions, without HTTP: the ledger, the job, one worker applying decisions in order."""
+
+    def __init__(self, run_dir: Path, *, launcher: Launcher, job: Job | None = None, load_job: JobLoader | None = None,
+                 planner: Planner = plan_live, launch_kw: Mapping[str, Any] | None = None,
+                 stop_wait_s: float = 60.0) -> None:
+        self.run_dir = Path(run_dir).resolve()
+        if job is not None and Path(job.run_dir).resolve() != self.run_dir:
+            raise ValueError(f"job run dir {job.run_dir} is not the service's run dir {self.run_dir}")
+        self._job = job
+        self._launcher = launcher
+        self._load_job = load_job
+        self._planner = planner
+        self._launch_kw = dict(launch_kw or {})
+        self._stop_wait_s = stop_wait_s
+        self._lock = threading.Lock()
+        self._state = JobState.NONE
+        self._current: _Attempt | None = None
+        self._results: dict[int, LaunchResult] = {}
+        self._refused: Counter[str] = Counter()
+        self._queue: queue.Queue[tuple[str, AlertMessage] | None] = queue.Queue()
+        self._closing = False
+        self._acting: frozenset[str] = frozenset()
+        """The incidents of the plan being applied (its record is written only once the relaunch ends)."""
+        self._db: Ledger | None = None
+        self._worker: threading.Thread | None = None
+        self._job_thread: threading.Thread | None = None
+        self.interrupted: tuple[str, ...] = ()
+
+    @property
+    def state_path(self) -> Path:
+        return RunDir(self.run_dir).manager_state
+
+    @property
+    def db(self) -> Ledger:
+        assert self._db is not None, "manager not started"
+        return self._db
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._db = Ledger(self.state_path)
+        queued, interrupted = self._db.recover()
+        self.interrupted = tuple(interrupted)
+        for msg_id in interrupted:
+            log.warning("decision %s was started before the service stopped: marked interrupted, not re-run", msg_id)
+        for msg_id, body in queued:
+            try:
+                message = parse_message(body)
+            except ValueError as exc:  # accepted by an older build of this contract
+                self._db.mark(msg_id, MessageState.FAILED, outcome=f"not queued again: {exc}")
+                continue
+            log.info("decision %s accepted before the service stopped and never started: queued again", msg_id)
+            self._queue.put((msg_id, message))
+        self._worker = threading.Thread(target=self._work, name="rankwatch-manager", daemon=True)
+        self._worker.start()
+        if self._job is not None:
+            job = self._job
+            self._job_thread = threading.Thread(target=self._first_attempt, args=(job,), name="rankwatch-job",
+                                                daemon=True)
+            self._job_thread.start()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the running attempt, let the worker finish what it holds (queued decisions stay accepted for the
+        next start), and close the state file."""
+        with self._lock:
+            self._closing = True
+            if self._current is not None:
+                self._current.stop.set()
+        self._queue.put(None)
+        for t in (self._worker, self._job_thread):
+            if t is not None:
+                t.join(timeout_s)
+        if self._db is not None:
+            self._db.close()
+
+    # --------------------------------------------------------------------------------------------- requests
+
+    def refuse(self, reason: Refusal, path: str, msg_id: str | None, why: str, status: int) -> Reply:
+        with self._lock:
+            self._refused[str(reason)] += 1
+        log.warning("refused %s %s: %s: %s", path, msg_id or "-", reason, why)
+        return Reply(status=status, body={"error": str(reason), "detail": why})
+
+    def submit(self, msg_id: str, body: bytes, message: AlertMessage) -> Reply:
+        """A verified, parsed message: committed, then (for a decision) the job stopped if it must be, and queued."""
+        if message.run != self.run_dir.name:
+            return self.refuse(Refusal.WRONG_RUN, "/alerts", msg_id,
+                               f"message for run {message.run!r}, this manager serves {self.run_dir.name!r}", 400)
+        sha = hashlib.sha256(body).hexdigest()
+        verdict, state, outcome = self.db.admit(msg_id, sha, body, message)
+        if verdict == "duplicate":
+            log.info("duplicate %s (%s): already %s", msg_id, message.type, state)
+            return Reply(status=200, body={"duplicate": True, "id": msg_id, "state": state, "outcome": outcome})
+        if verdict == "conflict":
+            return self.refuse(Refusal.REPLAYED_ID, "/alerts", msg_id, "id already seen with a different body", 409)
+        if message.type is not MessageType.DECISION:
+            log.info("incident %s %s (%s)", message.incident_id, message.status, msg_id)
+            return Reply(status=200, body={"recorded": True, "id": msg_id})
+        stopping = message.stops_job and self._stop_for(message)
+        self._queue.put((msg_id, message))
+        assert message.decision is not None
+        log.info("decision %s (%s %s for %s): queued%s", msg_id, message.decision.id, message.decision.action,
+                 message.incident_id, "; the running attempt is being stopped" if stopping else "")
+        return Reply(status=202, body={"accepted": True, "id": msg_id, "stopping": stopping})
+
+    def record_alertmanager(self, doc: dict[str, Any]) -> Reply:
+        """An Alertmanager delivery: evidence only. ValueError names what the document lacks."""
+        group_key = typed_key(doc, "groupKey", str)
+        status = typed_key(doc, "status", str)
+        alerts = typed_key(doc, "alerts", list)
+        prints = sorted(str(typed_key(a, "fingerprint", str, "alerts[]")) if isinstance(a, dict) else "" for a in alerts)
+        key = hashlib.sha256("\n".join([group_key, status, *prints]).encode()).hexdigest()
+        if not self.db.admit_alertmanager(key, group_key, status, len(alerts)):
+            return Reply(status=200, body={"duplicate": True})
+        line = {"received_ns": time.time_ns(), "key": key, "groupKey": group_key, "status": status,
+                "fingerprints": prints, "delivery": doc}
+        with open(RunDir(self.run_dir).alertmanager_log, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        log.info("alertmanager delivery %s %s (%d alert(s)): recorded as evidence", group_key, status, len(alerts))
+        return Reply(status=200, body={"recorded": True, "evidence_only": True})
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            state, refused = self._state, dict(self._refused)
+            cur = self._current
+            results = dict(self._results)
+        try:
+            launches = read_launches(self.run_dir, missing_ok=True)
+            launch_error = None
+        except ValueError as exc:
+            launches, launch_error = [], str(exc)
+        attempts: list[dict[str, Any]] = []
+        for rec in launches:
+            n = int(rec.get("attempt", len(attempts)))
+            r = results.get(n)
+            attempts.append({"attempt": n, "started_wall_ns": rec.get("started_wall_ns"),
+                             "resume_from": rec.get("resume_from"),
+                             "exit_codes": None if r is None else list(r.exit_codes),
+                             "stopped": None if r is None else r.stopped})
+        s = self.db.summary()
+        decisions = s.pop("decisions")
+        return {
+            "run": self.run_dir.name, "run_dir": str(self.run_dir),
+            "job": {"state": str(state), "owned": self._job is not None or cur is not None,
+                    "attempt": None if cur is None else cur.number, "pids": [] if cur is None else list(cur.pids)},
+            "attempts": attempts, **({"attempts_error": launch_error} if launch_error else {}),
+            **s,
+            "last_decision": decisions[-1] if decisions else None,
+            "decisions": dict(sorted(Counter(str(d["state"]) for d in decisions).items())),
+            "interrupted": list(self.interrupted),
+            "refused": refused,
+        }
+
+    # ---------------------------------------------------------------------------------------------- the job
+
+    def _stop_for(self, message: AlertMessage) -> bool:
+        """Stop the running attempt for `message`, unless the incident belongs to an attempt already replaced."""
+        with self._lock:
+            cur = self._current
+            if cur is None or cur.done.is_set():
+                return False
+            inc_attempt = message.incident.attempt
+            if inc_attempt is not None and cur.number is not None and inc_attempt < cur.number:
+                return False
+            if message.incident.id in self._acting:  # the running attempt is the recovery from this very incident
+                return False
+        if covering(self.run_dir, message.incident.id) is not None:
+            return False
+        with self._lock:
+            if cur.done.is_set():
+                return False
+            cur.stop.set()
+            return True
+
+    def _first_attempt(self, cfg: Job) -> None:
+        try:
+            self._run_attempt(cfg)
+        except Exception as exc:
+            log.error("the job's first attempt did not run: %s: %s", type(exc).__name__, exc)
+
+    def _run_attempt(self, cfg: Job, **kw: Any) -> LaunchResult:
+        """One attempt through the launcher, with a stop event the request handler can set (also the launcher
+        `apply` relaunches with)."""
+        cfg = self._placed(cfg)
+        attempt = _Attempt()
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the service is closing: no new attempt")
+            self._current = attempt
+            if self._state is not JobState.RECOVERING:
+                self._state = JobState.STARTING
+
+        def started(pids: tuple[int, ...]) -> None:
+            number = len(read_launches(self.run_dir, missing_ok=True)) - 1
+            with self._lock:
+                attempt.pids, attempt.number = tuple(pids), number
+                self._state = JobState.RUNNING
+            log.info("attempt %d running: pids %s", number, list(pids))
+
+        try:
+            result = self._launcher(cfg, stop=attempt.stop, on_start=started, **{**self._launch_kw, **kw})
+        except BaseException:
+            with self._lock:
+                self._state = JobState.FAILED
+            attempt.done.set()
+            raise
+        with self._lock:
+            attempt.result = result
+            if attempt.number is not None:
+                self._results[attempt.number] = result
+            self._state = (JobState.STOPPED if result.stopped else JobState.FINISHED if result.ok else JobState.FAILED)
+        attempt.done.set()
+        log.info("attempt %s ended: %s, exit codes %s", attempt.number, self._state, list(result.exit_codes))
+        return result
+
+    def _placed(self, cfg: Job) -> Job:
+        """`cfg` off every quarantined device and host of the virtual topology (`manager.place_off_quarantine`).
+        PlacementRefused when nothing is left: the attempt is not launched."""
+        try:
+            return place_off_quarantine(self.run_dir, cfg, say=lambda m: log.info("%s", m))
+        except ValueError as exc:
+            with self._lock:
+                self._state = JobState.FAILED
+            log.error("placement refused: %s", exc)
+            raise PlacementRefused(f"placement refused: {exc}") from None
+
+    # ----------------------------------------------------------------------------------------------- worker
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            with self._lock:
+                if self._closing:
+                    return  # what is left stays "accepted": the next start queues it again
+            msg_id, message = item
+            self.db.mark(msg_id, MessageState.STARTED)
+            try:
+                outcome, rid = self._act(message)
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                log.error("decision %s failed: %s", msg_id, why)
+                self.db.mark(msg_id, MessageState.FAILED, outcome=why)
+                continue
+            log.info("decision %s: %s%s", msg_id, outcome, f" ({rid})" if rid else "")
+            self.db.mark(msg_id, MessageState.DONE, outcome=outcome, recovery_id=rid)
+
+    def _config(self) -> Job:
+        if self._job is not None:
+            return self._job
+        if self._load_job is None:
+            raise ValueError("the service was started without a job and cannot read one back from the run")
+        return self._load_job(self.run_dir)  # a service (re)started without a job: the run's latest launch
+
+    def _act(self, message: AlertMessage) -> tuple[str, str | None]:
+        d = message.decision
+        assert d is not None
+        if d.action is Action.OBSERVE:
+            return "observed: nothing to do", None
+        cfg = self._config()
+        if not message.stops_job:
+            plan = plan_from_message(self.run_dir, cfg, message)
+            if plan.relaunch:  # only a relaunching decision (or a fail-stop / hang) may stop the job
+                plan = replace(plan, action=Action.QUARANTINE if plan.quarantines else Action.OBSERVE, checkpoint=None)
+            if not plan.quarantines:
+                return "observed: the manager's policy finds nothing to quarantine", None
+            listed = {(e.kind, e.id) for e in quarantined(self.run_dir)}
+            if all((str(t.kind), t.id) in listed for t, _ in plan.quarantines):
+                return (f"observed: {', '.join(str(t) for t, _ in plan.quarantines)} quarantined already",
+                        covering(self.run_dir, message.incident.id))
+            rec = apply(cfg, plan, launcher=self._no_launch)
+            return rec.outcome, rec.id
+        latest = len(read_launches(self.run_dir, missing_ok=True)) - 1
+        inc_attempt = message.incident.attempt
+        if inc_attempt is not None and inc_attempt < latest:
+            return (f"covered: incident of attempt {inc_attempt}, which attempt {latest} replaced",
+                    latest_recovery(self.run_dir))
+        done_by = covering(self.run_dir, message.incident.id)
+        if done_by is not None:  # acted on already (the same incident reported again, or by the post-hoc reading)
+            return f"covered by {done_by}: acted on already", done_by
+        with self._lock:
+            cur = self._current
+        if cur is not None and not cur.done.is_set():
+            cur.stop.set()  # a decision queued again after a restart, or one that came in before the pids
+            if not cur.done.wait(self._stop_wait_s):
+                raise RuntimeError(f"attempt {cur.number} did not end {self._stop_wait_s:.0f} s after the stop")
+        with self._lock:
+            before = self._state
+            self._state = JobState.RECOVERING
+        plan = self._planner(self.run_dir, cfg, message)
+        for line in plan.lines():
+            log.info("plan: %s", line)
+        if not plan.relaunch and not plan.quarantines:
+            with self._lock:
+                self._state = before
+            done_by = covering(self.run_dir, message.incident.id)
+            if done_by is not None:
+                return f"covered by {done_by}: nothing new to act on", done_by
+            return f"nothing to recover ({plan.lines()[-1]}); the job stays {before}", None
+        with self._lock:
+            self._acting = frozenset({*(d.incident.id for d in plan.decided), *plan.skipped, message.incident.id})
+        try:
+            rec = apply(cfg, plan, launcher=self._run_attempt, say=lambda s: log.info("%s", s))
+        finally:
+            with self._lock:
+                self._acting = frozenset()
+        if rec.refused:  # nothing left to place the job on off the quarantine list (the record says so)
+            with self._lock:
+                self._state = JobState.FAILED
+            log.error("placement refused: %s", rec.refused)
+            raise PlacementRefused(f"{rec.id}: placement refused: {rec.refused}")
+        with self._lock:
+            if self._state is JobState.RECOVERING:  # no relaunch (quarantine only)
+                self._state = before
+        return rec.outcome, rec.id
+
+    @staticmethod
+    def _no_launch(cfg: Job, **kw: Any) -> LaunchResult:
+        raise AssertionError("a quarantine-only plan relaunched")
+
+
+# ---------------------------------------------------------------------------------------------------- HTTP layer
+
+
+def read_secret(path: Path) -> str:
+    """The signing secret file: one line "whsec_<base64>" (>= 24 bytes); the sender's parser
+    (`control.signer.load_secret`), so both sides read the file alike. ValueError naming the file otherwise."""
+    return load_secret(path)
+
+
+def _app(manager: Manager, *, secret: str, token: str | None, max_body: int) -> Any:
+    from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    hook = Webhook(secret)
+
+    def reply(r: Reply) -> JSONResponse:
+        return JSONResponse(r.body, status_code=r.status)
+
+    async def body_of(request: Request) -> bytes | None:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body:
+            return None
+        buf = bytearray()
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > max_body:
+                return None
+        return bytes(buf)
+
+    async def alerts(request: Request) -> JSONResponse:
+        h = request.headers
+        msg_id = h.get("webhook-id")
+        body = await body_of(request)
+        if body is None:
+            return reply(manager.refuse(Refusal.TOO_LARGE, "/alerts", msg_id, f"body over {max_body} bytes", 413))
+        ts, sig = h.get("webhook-timestamp"), h.get("webhook-signature")
+        if not (msg_id and ts and sig):
+            missing = [n for n, v in (("webhook-id", msg_id), ("webhook-timestamp", ts), ("webhook-signature", sig))
+                       if not v]
+            return reply(manager.refuse(Refusal.MISSING_HEADERS, "/alerts", msg_id, f"no {', '.join(missing)}", 401))
+        if not _ID_RE.fullmatch(msg_id):
+            return reply(manager.refuse(Refusal.MALFORMED_HEADERS, "/alerts", msg_id[:40],
+                                        "webhook-id is not 1-128 of [A-Za-z0-9_.:-]", 401))
+        if not ts.isdigit():
+            return reply(manager.refuse(Refusal.MALFORMED_HEADERS, "/alerts", msg_id,
+                                        f"webhook-timestamp {ts[:20]!r} is not integer seconds", 401))
+        skew = int(ts) - time.time()
+        if abs(skew) > TOLERANCE_S:
+            return reply(manager.refuse(Refusal.STALE_TIMESTAMP, "/alerts", msg_id,
+                                        f"timestamp {skew:+.0f} s off this clock (allowed +-{TOLERANCE_S})", 401))
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:
+            return reply(manager.refuse(Refusal.MALFORMED_BODY, "/alerts", msg_id, "body is not UTF-8", 400))
+        if (problem := signature_problem(sig)) is not None:
+            return reply(manager.refuse(Refusal.MALFORMED_SIGNATURE, "/alerts", msg_id,
+                                        f"webhook-signature unreadable: {problem}", 401))
+        try:
+            hook.verify(text, {"webhook-id": msg_id, "webhook-timestamp": ts, "webhook-signature": sig},
+                        json_parse=False)
+        except WebhookVerificationError as exc:
+            return reply(manager.refuse(Refusal.BAD_SIGNATURE, "/alerts", msg_id, str(exc), 401))
+        try:
+            message = parse_message(body)
+        except ValueError as exc:
+            return reply(manager.refuse(Refusal.MALFORMED_BODY, "/alerts", msg_id, str(exc), 400))
+        return reply(manager.submit(msg_id, body, message))
+
+    async def alertmanager(request: Request) -> JSONResponse:
+        auth = request.headers.get("authorization", "")
+        given = auth.removeprefix("Bearer ").encode() if auth.startswith("Bearer ") else b""
+        if token is None or not given or not hmac.compare_digest(given, token.encode()):
+            why = "no bearer token configured" if token is None else "missing or wrong bearer token"
+            return reply(manager.refuse(Refusal.BAD_TOKEN, "/alertmanager", None, why, 401))
+        body = await body_of(request)
+        if body is None:
+            return reply(manager.refuse(Refusal.TOO_LARGE, "/alertmanager", None, f"body over {max_body} bytes", 413))
+        try:
+            doc = json.loads(body.decode("utf-8"))
+            if not isinstance(doc, dict):
+                raise ValueError("body is not a JSON object")
+            return reply(manager.record_alertmanager(doc))
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError among them
+            return reply(manager.refuse(Refusal.MALFORMED_BODY, "/alertmanager", None, str(exc), 400))
+
+    async def status(request: Request) -> JSONResponse:
+        return JSONResponse(manager.status())
+
+    async def healthz(request: Request) -> JSONResponse:
+        return JSONResponse({"ok": True})
+
+    return Starlette(routes=[
+        Route("/alerts", alerts, methods=["POST"]),
+        Route("/alertmanager", alertmanager, methods=["POST"]),
+        Route("/status", status, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+    ])
+
+
+class ManagerService:
+    """The manager and its HTTP server. `start()` returns once the server listens (`port` is the bound one, also
+    with port 0); `stop()` ends the server, then stops the job and closes the state file."""
+
+    def __init__(self, run_dir: Path, *, secret: str, launcher: Launcher, token: str | None = None,
+                 job: Job | None = None, load_job: JobLoader | None = None, host: str = "127.0.0.1", port: int = 0,
+                 max_body: int = DEFAULT_MAX_BODY, planner: Planner = plan_live,
+                 launch_kw: Mapping[str, Any] | None = None, log_level: str = "warning") -> None:
+        if max_body < 1024:
+            raise ValueError(f"max_body {max_body}: must be >= 1024 bytes")
+        from standardwebhooks.webhooks import Webhook
+
+        Webhook(secret)  # an empty or non-base64 secret fails here, not on the first request
+        self.manager = Manager(run_dir, job=job, load_job=load_job, launcher=launcher, planner=planner,
+                               launch_kw=launch_kw)
+        self._app = _app(self.manager, secret=secret, token=token, max_body=max_body)
+        self._host, self._port, self._log_level = host, port, log_level
+        self._server: Any = None
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("manager service listens on %s, not loopback: anyone who can reach it and holds the secret "
+                        "can stop the job", host)
+
+    def _make_server(self) -> Any:
+        import uvicorn
+
+        config = uvicorn.Config(self._app, host=self._host, port=self._port, log_level=self._log_level,
+                                lifespan="off", ws="none", access_log=False)
+        return uvicorn.Server(config)
+
+    def _bind(self) -> socket.socket:
+        """The listening socket, bound before anything is launched: an address in use fails here, job untouched."""
+        sock = socket.socket(socket.AF_INET6 if ":" in self._host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self._host, self._port))
+        except OSError as exc:
+            sock.close()
+            raise ValueError(f"{self._host}:{self._port}: cannot listen ({exc.strerror})") from None
+        self._sock = sock
+        return sock
+
+    @property
+    def port(self) -> int:
+        assert self._sock is not None, "service not started"
+        return int(self._sock.getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> ManagerService:
+        sock = self._bind()
+        self.manager.start()
+        self._server = self._make_server()
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="rankwatch-manager-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.manager.close()
+                raise RuntimeError(f"manager service: could not listen on {self._host}:{self._port}")
+            time.sleep(0.01)
+        log.info("manager service for %s on %s", self.manager.run_dir, self.url)
+        return self
+
+    def run_forever(self) -> None:
+        """Serve in the calling (main) thread until SIGINT / SIGTERM (uvicorn's handlers), then close."""
+        sock = self._bind()
+        self.manager.start()
+        self._server = self._make_server()
+        log.info("manager service for %s on %s", self.manager.run_dir, self.url)
+        # uvicorn shuts down on SIGINT/SIGTERM, restores the handlers it found and raises the signal again: with the
+        # default handlers the process would die there, before the job is stopped and the state file closed
+        main = threading.current_thread() is threading.main_thread()
+        found = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        try:
+            self._server.run(sockets=[sock])
+        finally:
+            self.manager.close()
+            sock.close()
+            for sig, handler in found.items():
+                signal.signal(sig, handler)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10.0)
+        self.manager.close()
+        if self._sock is not None:
+            self._sock.close()
+
+    def __enter__(self) -> ManagerService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(run_dir: Path, *, launcher: Launcher, load_job: JobLoader, listen: str = "127.0.0.1:8787",
+          secret_file: Path, token_file: Path | None = None, job: Job | None = None, max_body: int = DEFAULT_MAX_BODY,
+          launch_kw: Mapping[str, Any] | None = None, log_level: str = "info") -> int:
+    """`rankwatch manager serve`: the service on `listen` (HOST:PORT, loopback by default) until SIGINT/SIGTERM.
+    With `job`, it launches that job first; without, it acts on the run as <run>/run.json last recorded it
+    (`load_job`)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"--listen {listen!r}: expected HOST:PORT (e.g. 127.0.0.1:8787)")
+    secret = read_secret(secret_file)
+    token = None
+    if token_file is not None:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"{token_file}: unreadable token file ({exc.strerror})") from None
+        if not token:
+            raise ValueError(f"{token_file}: empty token file")
+    ManagerService(run_dir, secret=secret, token=token, job=job, load_job=load_job, launcher=launcher,
+                   host=host.strip("[]"), port=int(port), max_body=max_body, launch_kw=launch_kw,
+                   log_level=log_level).run_forever()
+    return 0

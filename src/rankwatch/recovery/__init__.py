@@ -1,0 +1,31 @@
+"""rankwatch.recovery: the recovery contract any job uses — the checkpoint commit protocol and its catalog (a
+half-written checkpoint is evidence, never a recovery point), the consistency gate, the tamper-evident lineage, the
+determinism inputs, evidence preservation, which checkpoint a resume takes, what a job declares about itself and how
+it is launched (`job`), and the words of a recovery decision (`decision`).
+
+Two modules read analytics' incidents and are not re-exported here, so that a training process importing the
+contract never loads the analysis stack: the recovery-scope policy (`rankwatch.recovery.policy.decide`) and the
+lineage promises judged by replay verification (`rankwatch.recovery.promises`).
+"""
+
+from rankwatch.recovery.catalog import Candidate, Manifest, Verdict, choose, list_checkpoints
+from rankwatch.recovery.checkpoint import CheckpointConfig, LoadResult, SaveResult, load_checkpoint, save_checkpoint
+from rankwatch.recovery.decision import (
+    Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, GateVerdict, Idempotency, MembershipSupport,
+    ScopeKind, Target, TargetKind,
+)
+from rankwatch.recovery.determinism import DeterminismInputs, pin_ddp_buckets
+from rankwatch.recovery.evidence import EvidenceBundle, preserve_evidence, verify_evidence
+from rankwatch.recovery.gate import Domain, GateOutcome, RankState, run_gate
+from rankwatch.recovery.job import FakeLauncher, Job, JobDeclaration, JobLoader, LaunchResult, Launcher
+from rankwatch.recovery.lineage import Lineage, check_lineage
+from rankwatch.recovery.resume import GateRefused, last_completed_step, preflight
+
+__all__ = [
+    "Action", "Candidate", "CheckpointCatalogView", "CheckpointConfig", "CheckpointRef", "Decision",
+    "DeterminismInputs", "Domain", "EvidenceBundle", "FakeLauncher", "GateOutcome", "GateRefused", "GateResult",
+    "GateVerdict", "Idempotency", "Job", "JobDeclaration", "JobLoader", "LaunchResult", "Launcher", "Lineage",
+    "LoadResult", "Manifest", "MembershipSupport", "RankState", "SaveResult", "ScopeKind", "Target", "TargetKind",
+    "Verdict", "check_lineage", "choose", "last_completed_step", "list_checkpoints", "load_checkpoint",
+    "pin_ddp_buckets", "preflight", "preserve_evidence", "run_gate", "save_checkpoint", "verify_evidence",
+]

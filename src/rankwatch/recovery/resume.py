@@ -1,0 +1,132 @@
+"""Which checkpoint a run resumes from, and what the run directory must hold before a resume is attempted.
+
+    plan(run, layout=..., checkpoint_id=None)   the newest committed, SHA-256-verified checkpoint this layout can
+                                                load (or the one asked for), and every newer candidate passed over
+    last_completed_step(run, before_attempt=n)  the highest step an earlier attempt completed (the replay range)
+    preflight(run)                              what a resume checks before anything is launched
+
+A job's own resume (the canary's: `canary.resume`) loads the chosen checkpoint on every rank, passes the consistency
+gate (`recovery.gate`) and records the lineage; `GateRefused` is what it raises when the gate does not AGREE.
+Layouts: the same layout loads, and so does another data-parallel degree (same tp and pp): every dp replica of a
+(pp, tp) shard holds the full replicated state. A tp or pp change is refused (`loadable`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rankwatch.base.rundir import RunDir, read_launches
+from rankwatch.base.schema import Steps, Table
+from rankwatch.base.topology import Layout
+from rankwatch.collector.sink import partition_dir
+from rankwatch.recovery.catalog import Candidate, Verdict, list_checkpoints
+from rankwatch.recovery.lineage import check_lineage, lineage_path
+
+log = logging.getLogger("rankwatch.recovery")
+
+__all__ = ["GateRefused", "Plan", "last_completed_step", "loadable", "plan", "preflight"]
+
+
+class GateRefused(RuntimeError):
+    """The consistency gate did not AGREE: training must not resume."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    chosen: Candidate
+    """Newest committed, SHA-256-verified checkpoint this layout can load."""
+    rejected: tuple[Candidate, ...]
+    """Newer candidates passed over, newest first, each with its reason."""
+    requested: bool = False
+    """The checkpoint was named by the caller (a rollback target), not the newest usable one."""
+
+    def describe(self) -> str:
+        m = self.chosen.manifest
+        saved = f" (saved by {m.layout})" if m is not None else ""
+        which = "the requested" if self.requested else "newest"
+        text = f"resume from {self.chosen.checkpoint_id}{saved}: {which} committed, verified, loadable checkpoint"
+        if self.rejected:
+            text += "; rejected newer: " + "; ".join(f"{c.path.name}: {c.verdict} ({c.reason})" for c in self.rejected)
+        return text
+
+
+def loadable(saved: Layout, job: Layout) -> str | None:
+    """None when a job with layout `job` can load a checkpoint saved by `saved`; else why not (one line)."""
+    if (saved.tp, saved.pp) != (job.tp, job.pp):
+        return f"layout incompatible: saved by {saved}, job is {job}; only the dp degree may change on resume"
+    return None
+
+
+def plan(run_dir: Path, *, layout: Layout, checkpoint_id: str | None = None) -> Plan:
+    """Choose like `catalog.choose`, but also accept a changed dp degree; ValueError naming every rejection when
+    nothing is usable. With `checkpoint_id`, that checkpoint or a ValueError saying why it cannot be used (newer
+    candidates are then passed over as "not the requested checkpoint")."""
+    chosen: Candidate | None = None
+    rejected: list[Candidate] = []
+    candidates = list_checkpoints(run_dir, verify=True)
+    if checkpoint_id is not None:
+        wanted = [c for c in candidates if c.path.name == checkpoint_id]
+        if not wanted:
+            raise ValueError(f"{RunDir(Path(run_dir)).checkpoints}: no checkpoint {checkpoint_id} to resume from")
+        candidates = tuple(wanted)
+    for c in candidates:
+        if c.usable and c.manifest is not None and (why := loadable(c.manifest.layout, layout)) is not None:
+            c = dataclasses.replace(c, verdict=Verdict.INCOMPATIBLE, reason=why)
+        if c.usable:
+            chosen = c
+            break
+        rejected.append(c)
+    if chosen is None:
+        if not rejected:
+            raise ValueError(f"{RunDir(Path(run_dir)).checkpoints}: no checkpoint to resume from")
+        raise ValueError(f"{RunDir(Path(run_dir)).checkpoints}: no usable checkpoint: "
+                         + "; ".join(f"{c.path.name}: {c.verdict} ({c.reason})" for c in rejected))
+    return Plan(chosen=chosen, rejected=tuple(rejected), requested=checkpoint_id is not None)
+
+
+def last_completed_step(run_dir: Path, *, before_attempt: int) -> int | None:
+    """The highest step any rank completed in attempts before `before_attempt`, from the steps part files. A part
+    that cannot be read, or whose columns are not integers, is skipped with a warning naming it: it is evidence of
+    what was trained, not something a resume from an intact checkpoint must stop on."""
+    root = partition_dir(run_dir, Table.STEPS, 0).parent
+    best: int | None = None
+    for part in sorted(root.glob("*/part-*.parquet")):
+        try:
+            t = pq.read_table(part, columns=[str(Steps.STEP), str(Steps.ATTEMPT)])
+        except Exception as exc:  # cut short, not parquet, columns missing: the part is damaged
+            log.warning("rankwatch resume: %s: unreadable steps part left out of the replay range (%s)", part,
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
+        if not all(pa.types.is_integer(t.schema.field(c).type) for c in (str(Steps.STEP), str(Steps.ATTEMPT))):
+            log.warning("rankwatch resume: %s: steps part with non-integer step/attempt left out", part)
+            continue
+        d = t.to_pydict()
+        steps = [s for s, a in zip(d[str(Steps.STEP)], d[str(Steps.ATTEMPT)])
+                 if s is not None and a is not None and a < before_attempt]
+        if steps:
+            best = max(steps) if best is None else max(best, *steps)
+    return best
+
+
+def preflight(run_dir: Path) -> None:
+    """What `train --resume` checks before it launches anything (so a bad run directory gets a one-line
+    ValueError and nothing is created or appended): the run directory exists and is a directory, its run file is
+    well formed, its lineage verifies (a tampered lineage is never appended to), and it has a checkpoints folder."""
+    run = Path(run_dir)
+    if not run.exists():
+        raise ValueError(f"{run}: no such run directory (--resume never creates a run)")
+    if not run.is_dir():
+        raise ValueError(f"{run}: not a directory")
+    if not read_launches(run):
+        raise ValueError(f"{RunDir(run).run_file}: records no launch")
+    check_lineage(lineage_path(run), consequence="refusing to resume a run whose lineage was tampered with")
+    if not RunDir(run).checkpoints.is_dir():
+        raise ValueError(f"{RunDir(run).checkpoints}: no checkpoints folder — nothing to resume from")
+
+
