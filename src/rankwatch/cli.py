@@ -4,12 +4,13 @@ recover (the narrowest safe recovery), and the tools around them."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rankwatch.canary.faults import FAULT_HELP
 
@@ -562,6 +563,34 @@ def _postmortem(args: argparse.Namespace) -> int:
     return 0
 
 
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record comes (a test's capture, a redirected stream)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
+def configure_logging(level: str) -> None:
+    """One handler (stderr) for the whole `rankwatch` logger tree, at `level`: what `--log-level` sets. Called again,
+    it replaces its handler (one line per record, never two)."""
+    root = logging.getLogger("rankwatch")
+    for h in [h for h in root.handlers if getattr(h, "rankwatch_cli", False)]:
+        root.removeHandler(h)
+    handler = _Stderr()
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    handler.rankwatch_cli = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rankwatch", description="telemetry and straggler detection for distributed PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -653,6 +682,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pm.add_argument("--out", type=Path, required=True, help="the executed notebook (.ipynb)")
     pm.add_argument("--html", type=Path, default=None, help="also write it as HTML")
     args = parser.parse_args(argv)
+    configure_logging(getattr(args, "log_level", "warning"))
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
                 "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,
                 "evidence": _evidence, "recover": _recover, "rollup": _rollup, "lineage": _lineage,

@@ -357,6 +357,42 @@ def test_one_alert_per_fault_while_the_window_moves_its_onset(tmp_path: Path) ->
     assert [m.type for m in t.update([later], now=T0 + 5)] == [MessageType.FIRING]
 
 
+def test_a_fault_whose_window_moves_its_onset_and_spreads_its_ranks_fires_once_and_resolves_once(
+        tmp_path: Path) -> None:
+    """A NaN loss seen by a sliding window: every refresh the incident begins at the window's first step (a new id)
+    and, once the all-reduce spread it, names more ranks; it is one fault: one firing while it goes on, one
+    resolution when it is gone, and the console announces it once."""
+    from rankwatch.control.monitor import FORGET_AFTER, Monitor
+
+    t = AlertTracker(tmp_path / RUN, TrackerConfig(resolve_after=3))
+    windows = [_inc(IncidentClass.CORRUPTION, ranks, Cause.NON_FINITE, subject=Subject(kind=SubjectKind.JOB, id="job"),
+                    onset=onset)
+               for onset, ranks in ((1, (2,)), (9, (2,)), (17, (0, 1, 2, 3)), (26, (0, 1, 2, 3)), (34, (0, 1, 2, 3)))]
+    assert len({w.id for w in windows}) == len(windows) and len({w.fault for w in windows}) == 1
+    sent = [m for k, w in enumerate(windows) for m in t.update([w], now=T0 + k)]
+    sent += [m for k in range(5) for m in t.update([], now=T0 + 10 + k)]
+    assert [(m.type, m.incident) for m in sent] == [(MessageType.FIRING, windows[0].id),
+                                                     (MessageType.RESOLVED, windows[0].id)]
+    console = Monitor.__new__(Monitor)
+    console.reported = {}
+    announced = [console._fresh([w], []) for w in windows] + [console._fresh([], []) for _ in range(FORGET_AFTER)]
+    assert [len(a) for a in announced] == [1] + [0] * (len(announced) - 1)
+    assert console.reported == {} and len(console._fresh([windows[-1]], [])) == 1  # gone, then back: a new episode
+
+
+def test_absence_is_counted_in_analyses_not_in_liveness_polls(tmp_path: Path) -> None:
+    """A monitor updates the tracker at every liveness poll but analyses the window every few seconds: one window
+    that misses a straggler (a detector's edge effect) must not resolve it within three polls of that window."""
+    t = AlertTracker(tmp_path / RUN, TrackerConfig(resolve_after=3))
+    slow = _inc(IncidentClass.STRAGGLER, (1,), Cause.UNKNOWN, onset=30)
+    assert [m.type for m in t.update([slow], now=T0)] == [MessageType.FIRING]
+    assert t.update([], now=T0 + 1) == []  # an analysis without it
+    assert [t.update([], now=T0 + 1 + k / 10, analyzed=False) for k in range(20)] == [[]] * 20  # polls, same analysis
+    assert t.update([slow], now=T0 + 4) == []  # the next window sees it again: the same alert, still open
+    assert t.update([], now=T0 + 5) == [] and t.update([], now=T0 + 6) == []
+    assert [m.type for m in t.update([], now=T0 + 7)] == [MessageType.RESOLVED]
+
+
 def test_a_relaunch_resolves_the_old_attempts_fail_stop_and_it_is_not_raised_again(tmp_path: Path) -> None:
     t = AlertTracker(tmp_path / RUN)
     from_parts = replace(_inc(onset=118), attempt=0)

@@ -11,15 +11,13 @@ import http.client
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from standardwebhooks.webhooks import Webhook
 
-from rankwatch.analytics.incidents import Cause, HardwareSignal, Incident, IncidentClass, Subject, SubjectKind
+from rankwatch.analytics.incidents import Incident, IncidentClass
 from rankwatch.base.rundir import MANAGER_DIR, QUARANTINE_FILE, RECOVERY_DIR, STATE_FILE
 from rankwatch.base.topology import Layout
 from rankwatch.canary.config import CanaryConfig
@@ -28,66 +26,12 @@ from rankwatch.control.service import JobState, ManagerService, read_secret
 from rankwatch.control.wire import parse_message
 from rankwatch.recovery.job import FakeLauncher
 from rankwatch.recovery.lineage import lineage_path, read
+from service_support import SECRET, TOKEN, contract_body, incident, msg_id, signed, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
-SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
-TOKEN = "am-token-1"
-
 
 # ---------------------------------------------------------------------------------------------- test helpers
-
-
-def incident(klass: IncidentClass = IncidentClass.FAIL_STOP, *, rank: int = 1, attempt: int | None = 0,
-             device: str | None = None) -> Incident:
-    if device is not None:  # a device fault: throttled with clock loss
-        return Incident(klass=klass, subject=Subject(kind=SubjectKind.DEVICE, id=device), ranks=(rank,), onset_step=5,
-                        detection_step=8, confidence=0.9, cause=Cause.THERMAL_THROTTLE, summary=f"{device} throttled",
-                        attempt=attempt, hardware=(HardwareSignal.THROTTLE, HardwareSignal.CLOCK_LOSS))
-    return Incident(klass=klass, subject=Subject(kind=SubjectKind.RANK, id=str(rank)), ranks=(rank,), onset_step=7,
-                    detection_step=7, confidence=1.0, cause=Cause.UNKNOWN, summary=f"rank {rank} {klass}",
-                    attempt=attempt)
-
-
-def contract_body(run_dir: Path, inc: Incident, *, type_: str = "decision", action: str | None = "restart_job",
-                  **overrides: Any) -> bytes:
-    """A body of the wire contract (PRE15: Alertmanager v4 + rankwatch's keys), built by hand."""
-    run = run_dir.name
-    firing = type_ != "incident.resolved"
-    camel = "".join(p.capitalize() for p in str(inc.klass).split("_"))
-    labels = {"alertname": f"Rankwatch{camel}", "class": str(inc.klass), "run": run,
-              "rank": ",".join(map(str, inc.ranks)), "hostname": "h0", "uuid": "", "severity": "critical"}
-    decision = None if type_ != "decision" else {
-        "id": f"{inc.id}/{action}", "action": action, "scope": "job", "target": None, "checkpoint": None,
-        "path": ["gate=none", f"-> {action}"], "reasons": ["test"], "quarantines": []}
-    doc: dict[str, Any] = {
-        "version": "4", "groupKey": f"rankwatch/{run}/{inc.id}", "truncatedAlerts": 0,
-        "status": "firing" if firing else "resolved", "receiver": "rankwatch-manager", "externalURL": "",
-        "groupLabels": {"alertname": labels["alertname"], "run": run}, "commonLabels": labels,
-        "commonAnnotations": {},
-        "alerts": [{"status": "firing" if firing else "resolved", "labels": labels,
-                    "annotations": {"summary": inc.summary, "decision": "" if decision is None else str(action),
-                                    "evidence": ""},
-                    "startsAt": "2026-12-01T20:00:00Z", "endsAt": "0001-01-01T00:00:00Z", "generatorURL": "",
-                    "fingerprint": hashlib.sha256(f"{run}|{inc.id}".encode()).hexdigest()[:16]}],
-        "type": type_, "timestamp": "2026-12-01T20:00:01Z",
-        "rankwatch": {"schema": 1, "run": run, "run_dir": str(run_dir), "incident": inc.id,
-                      "incident_doc": inc.to_dict(), "decision_id": None if decision is None else decision["id"],
-                      "decision": decision, "scope": "job", "evidence": {}},
-    }
-    doc.update(overrides)
-    return json.dumps(doc).encode()
-
-
-def msg_id(body: bytes) -> str:
-    return "msg_" + hashlib.sha256(body).hexdigest()[:32]
-
-
-def signed(body: bytes, *, mid: str | None = None, ts: float | None = None, secret: str = SECRET) -> dict[str, str]:
-    mid = mid or msg_id(body)
-    when = datetime.fromtimestamp(time.time() if ts is None else ts, tz=timezone.utc)
-    return {"webhook-id": mid, "webhook-timestamp": str(int(when.timestamp())),
-            "webhook-signature": Webhook(secret).sign(mid, when, body.decode())}
 
 
 def post(svc: ManagerService, path: str, body: bytes | Iterator[bytes], headers: dict[str, str]) -> tuple[int, Any]:
@@ -105,19 +49,11 @@ def post(svc: ManagerService, path: str, body: bytes | Iterator[bytes], headers:
 def get(svc: ManagerService, path: str) -> tuple[int, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", svc.port, timeout=10)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers={"Authorization": f"Bearer {TOKEN}"})
         resp = conn.getresponse()
         return resp.status, json.loads(resp.read())
     finally:
         conn.close()
-
-
-def wait_for(pred: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
 
 
 def status(svc: ManagerService) -> dict[str, Any]:
@@ -317,7 +253,7 @@ def test_a_late_decision_never_stops_the_relaunch_that_replaced_or_recovers_it(
         assert status(svc)["job"]["state"] == JobState.RUNNING
         fake.finish()
         decided(svc, 2)
-        by_id = {d["id"]: d for d in svc.manager.db.summary()["decisions"]}
+        by_id = {d["id"]: d for d in svc.manager.db.decisions()}
         assert by_id[msg_id(body)]["outcome"] == "recovered"
         assert by_id[msg_id(late)]["outcome"].startswith(outcome)
         assert status(svc)["job"]["state"] == JobState.FINISHED
@@ -363,7 +299,7 @@ def test_a_restart_reruns_accepted_decisions_but_never_started_ones(run_dir: Pat
     with service(run_dir, fake, with_job=False) as svc:
         s = decided(svc)
         assert s["interrupted"] == [msg_id(b1)]
-        by_id = {d["id"]: d for d in svc.manager.db.summary()["decisions"]}
+        by_id = {d["id"]: d for d in svc.manager.db.decisions()}
         assert by_id[msg_id(b1)]["state"] == "interrupted"
         assert by_id[msg_id(b2)]["state"] == "done" and by_id[msg_id(b2)]["outcome"] == "recovered"
         # a retry of the interrupted one is a duplicate, never a second run

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -146,7 +146,7 @@ class Subject:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Evidence:
     """Rows behind an incident: which named query or table they come from, what they show, and up to
-    `EVIDENCE_ROWS_MAX` rows of it (values are JSON scalars)."""
+    `EVIDENCE_ROWS_MAX` rows of it (values are JSON: scalars, or lists such as a rank's steps)."""
 
     source: str
     summary: str
@@ -159,6 +159,16 @@ class Evidence:
         for row in self.rows:
             if len(row) != len(self.columns):
                 raise ValueError(f"evidence {self.source!r}: row {row!r} has {len(row)} values for {len(self.columns)} columns")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FaultKey:
+    """One fault's identity across analyses, windows and monitor restarts: its class, its subject and the attempt it
+    happened in. Two incidents with one key while an alert about it is open are one episode of one fault."""
+
+    klass: IncidentClass
+    subject: Subject
+    attempt: int | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -206,6 +216,13 @@ class Incident:
             object.__setattr__(self, "id", f"{self.klass}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
 
     @property
+    def fault(self) -> FaultKey:
+        """What stays the same while one fault goes on (`FaultKey`): the id also hashes the onset step and the ranks,
+        which a sliding window moves (a fault that began before the window reads as beginning at its first step) and
+        a spreading fault grows."""
+        return FaultKey(klass=self.klass, subject=self.subject, attempt=self.attempt)
+
+    @property
     def device_fault(self) -> bool:
         """True when direct hardware evidence implicates the subject device (`hardware` is non-empty)."""
         return bool(self.hardware)
@@ -235,31 +252,77 @@ class Incident:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Incident:
+    def from_dict(cls, d: Mapping[str, Any]) -> Incident:
+        """The incident `to_dict` wrote, every field type-checked (this is the incident's one schema: the analysis
+        files and the alert wire format read it here). ValueError naming the incident and the first field that is
+        missing or of another type: an incident document is evidence, so a value of the wrong shape is never taken
+        for an answer."""
+        where = f"incident record {d.get('id', '?')!r:.80}" if isinstance(d, Mapping) else "incident record"
         try:
+            if not isinstance(d, Mapping):
+                raise TypeError(f"is {type(d).__name__}, not an object")
+            evidence = _typed(d, "evidence", list, default=[])
             return cls(
-                id=d["id"],
-                klass=IncidentClass(d["class"]),
-                subject=Subject(kind=SubjectKind(d["subject_kind"]), id=str(d["subject"])),
-                ranks=tuple(d["ranks"]),
-                onset_step=d["onset_step"],
-                last_good_step=d.get("last_good_step"),
-                detection_step=d["detection_step"],
-                detection_wall_ns=d.get("detection_wall_ns"),
-                confidence=float(d["confidence"]),
-                cause=Cause(d["cause"]),
-                summary=d["summary"],
-                fields=tuple(d.get("fields", ())),
-                attempt=d.get("attempt"),
-                hardware=tuple(HardwareSignal(h) for h in (d.get("hardware") or ())),
-                evidence=tuple(
-                    Evidence(source=e["source"], summary=e["summary"], columns=tuple(e["columns"]),
-                             rows=tuple(tuple(r) for r in e["rows"]))
-                    for e in d.get("evidence", ())
-                ),
+                id=_typed(d, "id", str),
+                klass=IncidentClass(_typed(d, "class", str)),
+                subject=Subject(kind=SubjectKind(_typed(d, "subject_kind", str)), id=_typed(d, "subject", str)),
+                ranks=tuple(_each(_typed(d, "ranks", list), int, "ranks")),
+                onset_step=_typed(d, "onset_step", int, none=True),
+                last_good_step=_typed(d, "last_good_step", int, none=True, default=None),
+                detection_step=_typed(d, "detection_step", int, none=True),
+                detection_wall_ns=_typed(d, "detection_wall_ns", int, none=True, default=None),
+                confidence=float(_typed(d, "confidence", (int, float))),
+                cause=Cause(_typed(d, "cause", str)),
+                summary=_typed(d, "summary", str),
+                fields=tuple(_each(_typed(d, "fields", list, default=[]), str, "fields")),
+                attempt=_typed(d, "attempt", int, none=True, default=None),
+                hardware=tuple(HardwareSignal(h) for h in _each(_typed(d, "hardware", list, none=True, default=None)
+                                                               or [], str, "hardware")),
+                evidence=tuple(_evidence(e, n) for n, e in enumerate(evidence)),
             )
         except (KeyError, ValueError, TypeError) as exc:
-            raise ValueError(f"incident record {d.get('id', '?')!r}: {type(exc).__name__}: {exc}") from None
+            raise ValueError(f"{where}: {type(exc).__name__}: {exc}") from None
+
+
+_MISSING = object()
+_JSON_VALUES = (str, int, float, bool, type(None), list, dict)
+"""What an evidence row holds: JSON values (scalars, and lists such as a rank's steps)."""
+
+
+def _typed(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, none: bool = False,
+           default: Any = _MISSING) -> Any:
+    """`d[key]` of `kind` (a bool is never an int or a float), None when `none`; `default` when the key is absent."""
+    if key not in d:
+        if default is _MISSING:
+            raise KeyError(key)
+        return default
+    value = d[key]
+    if value is None and none:
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        want = " or ".join(k.__name__ for k in kinds) + (" or null" if none else "")
+        raise TypeError(f"{key!r} is {type(value).__name__}, not {want}")
+    return value
+
+
+def _each(values: list[Any], kind: type, what: str) -> list[Any]:
+    for v in values:
+        if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+            raise TypeError(f"{what!r} holds a {type(v).__name__}, not {kind.__name__}")
+    return values
+
+
+def _evidence(e: Any, n: int) -> Evidence:
+    if not isinstance(e, Mapping):
+        raise TypeError(f"evidence {n} is {type(e).__name__}, not an object")
+    rows = _typed(e, "rows", list)
+    for row in rows:
+        if not isinstance(row, list) or not all(isinstance(v, _JSON_VALUES) for v in row):
+            raise TypeError(f"evidence {n}: a row is not a list of JSON values")
+    return Evidence(source=_typed(e, "source", str), summary=_typed(e, "summary", str),
+                    columns=tuple(_each(_typed(e, "columns", list), str, f"evidence {n} columns")),
+                    rows=tuple(tuple(r) for r in rows))
 
 
 def sort_incidents(incidents: Iterable[Incident]) -> tuple[Incident, ...]:

@@ -36,7 +36,7 @@ __all__ = [
     "INCIDENTS_JSON", "INCIDENTS_PARQUET", "LABELS_FILE", "LINEAGE_FILE", "LIVE_DIR", "MANAGER_DIR", "OUTBOX_FILE",
     "QUARANTINE_FILE", "RECOVERY_DIR", "RUN_FILE", "STATE_FILE", "STEP_TIMES_DIR", "TELEMETRY_DIR", "VIEWS_DIR",
     "DecisionRecord", "QuarantineEntry", "RecoveryRecordDoc", "RunDir", "RunFileError", "append_launch",
-    "atomic_write", "fsync_path", "handled_incidents", "next_recovery_id", "read_launches", "read_quarantine", "read_recovery_records", "recovery_record_paths",
+    "atomic_write", "fsync_path", "handled_incidents", "private_file", "next_recovery_id", "read_launches", "read_quarantine", "read_recovery_records", "recovery_record_paths",
     "write_json", "write_quarantine", "write_recovery_record",
 ]
 
@@ -196,6 +196,17 @@ def atomic_write(path: Path | str, data: bytes | str | Callable[[Path], object],
         raise
     if durable:
         fsync_path(path.parent)
+    return path
+
+
+def private_file(path: Path | str) -> Path:
+    """`path` made (empty) if missing and readable and writable by its owner only (mode 0600): the run's state files
+    that hold what others must not read or forge (the service's ledger, the monitor's outbox). SQLite gives a
+    database's -wal and -shm files the database file's mode."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    os.chmod(path, 0o600)
     return path
 
 

@@ -18,6 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from rankwatch.base.rundir import private_file
 from rankwatch.control.wire import AlertMessage, MessageType
 
 
@@ -51,8 +52,7 @@ class Ledger:
     alertmanager (deduplicated deliveries). Every write is committed before the caller acts on it."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
+        self.path = private_file(path)
         self._lock = threading.Lock()
         self._con = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._con.execute("PRAGMA journal_mode=WAL")
@@ -117,20 +117,34 @@ class Ledger:
                                     (key, group_key, status, alerts, time.time_ns()))
             return cur.rowcount == 1
 
-    def summary(self) -> dict[str, Any]:
+    def decisions(self) -> list[dict[str, Any]]:
+        """Every decision message, oldest first, with its state, outcome and recovery id."""
+        cols = ("id", "decision_id", "incident", "action", "state", "outcome", "recovery_id", "received_ns")
         with self._lock:
+            return [dict(zip(cols, r)) for r in self._con.execute(
+                f"SELECT {', '.join(cols)} FROM messages WHERE type = 'decision' ORDER BY received_ns")]
+
+    def summary(self, *, latest: int = 20) -> dict[str, Any]:
+        """What /status shows, bounded whatever the history: the open incidents (how many, the `latest` newest),
+        the decisions (how many in each state, the newest) and the Alertmanager deliveries (how many, the newest)."""
+        with self._lock:
+            open_count = self._con.execute("SELECT count(*) FROM incidents WHERE status = 'firing'").fetchone()[0]
             incidents = [dict(zip(("id", "class", "subject", "summary", "updated_ns"), r)) for r in self._con.execute(
                 "SELECT id, class, subject, summary, updated_ns FROM incidents WHERE status = 'firing' "
-                "ORDER BY updated_ns")]
+                "ORDER BY updated_ns DESC LIMIT ?", (latest,))]
+            states = dict(self._con.execute(
+                "SELECT state, count(*) FROM messages WHERE type = 'decision' GROUP BY state ORDER BY state"))
             cols = ("id", "decision_id", "incident", "action", "state", "outcome", "recovery_id", "received_ns")
-            decisions = [dict(zip(cols, r)) for r in self._con.execute(
-                f"SELECT {', '.join(cols)} FROM messages WHERE type = 'decision' ORDER BY received_ns")]
+            last = self._con.execute(f"SELECT {', '.join(cols)} FROM messages WHERE type = 'decision' "
+                                     "ORDER BY received_ns DESC LIMIT 1").fetchone()
             am = self._con.execute("SELECT count(*), max(received_ns) FROM alertmanager").fetchone()
             last_am = self._con.execute("SELECT group_key, status, alerts, received_ns FROM alertmanager "
                                         "ORDER BY received_ns DESC LIMIT 1").fetchone()
         return {
             "open_incidents": incidents,
-            "decisions": decisions,
+            "open_incident_count": open_count,
+            "decisions": states,
+            "last_decision": None if last is None else dict(zip(cols, last)),
             "alertmanager": {"deliveries": am[0], "last": None if last_am is None else dict(zip(
                 ("groupKey", "status", "alerts", "received_ns"), last_am))},
         }

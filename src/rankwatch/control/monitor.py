@@ -27,7 +27,7 @@ from pathlib import Path
 import polars as pl
 
 from rankwatch.analytics.analyze import render_incidents
-from rankwatch.analytics.incidents import Incident
+from rankwatch.analytics.incidents import FaultKey, Incident
 from rankwatch.analytics.live import LiveAnalyzer, LiveConfig
 from rankwatch.analytics.liveness import LivenessMonitor, LivenessView, same_fault
 from rankwatch.analytics.queries import topology
@@ -40,7 +40,11 @@ from rankwatch.control.tracker import AlertTracker
 from rankwatch.control.wire import DecisionFields, decision_fields, placements
 from rankwatch.recovery.job import JobLoader
 
-__all__ = ["Monitor", "Seen", "recovered_incidents"]
+__all__ = ["FORGET_AFTER", "Monitor", "Seen", "recovered_incidents"]
+
+FORGET_AFTER = 3
+"""Analyses in a row a reported fault must be absent from before the console forgets it (as the alert tracker
+resolves one: `TrackerConfig.resolve_after`); the same fault seen later is announced as a new episode."""
 
 
 def _stdout(msg: str) -> None:
@@ -101,11 +105,11 @@ class _Alerts:
         plan = plan_recovery(todo, job=job.declaration(), catalog=catalog_view(self.run_dir, job.layout))
         return [decision_fields(d.decision, run_dir=self.run_dir, incidents=[d.incident]) for d in plan.decided]
 
-    def tick(self, incidents: Sequence[Incident], topo: pl.DataFrame) -> None:
+    def tick(self, incidents: Sequence[Incident], topo: pl.DataFrame, *, analyzed: bool) -> None:
         attempt = int(topo["attempt"].max()) if topo.height else None  # type: ignore[arg-type]
         messages = self.tracker.update(incidents, self._decisions(incidents),
                                        recovered=recovered_incidents(self.run_dir), attempt=attempt,
-                                       placement=placements(topo) if topo.height else None)
+                                       placement=placements(topo) if topo.height else None, analyzed=analyzed)
         self.sender.submit_all(messages)
 
     def close(self) -> None:
@@ -135,7 +139,10 @@ class Monitor:
         self.liveness = LivenessMonitor(self.run_dir)
         self._alerts = (_Alerts(self.run_dir, webhook, Path(secret_file), load_job=load_job, say=say, err=warn)
                         if webhook and secret_file else None)
-        self.reported: set[str] = set()
+        self.reported: dict[FaultKey, int] = {}
+        """The faults the part-file analysis reported, each with how many analyses in a row it has been absent from:
+        one announced once while it goes on (its id moves with the window), forgotten after `FORGET_AFTER` analyses
+        without it (a later one is a new episode)."""
         self._warned: set[str] = set()
         self.window_incidents: tuple[Incident, ...] = ()
         self.view: LivenessView | None = None
@@ -161,6 +168,18 @@ class Monitor:
                 self._seen_ids.add(inc.id)
                 self.seen.append(Seen(at=at, source=source, incident=inc))
 
+    def _fresh(self, incidents: Sequence[Incident], live: Sequence[Incident]) -> list[Incident]:
+        """Those of this analysis' incidents whose fault is new: not one the analysis already reported and still sees,
+        nor one the liveness channel named."""
+        now = {i.fault: i for i in incidents}
+        fresh = [i for k, i in now.items() if k not in self.reported and not any(same_fault(v, i) for v in live)]
+        for k in list(self.reported):
+            self.reported[k] = 0 if k in now else self.reported[k] + 1
+            if self.reported[k] >= FORGET_AFTER:
+                del self.reported[k]
+        self.reported.update((k, 0) for k in now)
+        return fresh
+
     def banner(self) -> str:
         return (f"rankwatch watch: {self.run_dir}, latest {self.window} steps every {self.every:g}s, liveness every "
                 f"{self.poll:g}s" + (f", alerts to {self.webhook}" if self._alerts else "") + " (Ctrl-C to stop)")
@@ -183,6 +202,7 @@ class Monitor:
             self._say(f"[live] {inc.klass} {inc.subject}: {inc.summary}")
         for inc in view.resolved:
             self._say(f"[live] resolved: {inc.klass} {inc.subject}")
+        analyzed = False
         if time.monotonic() >= self._next_refresh:
             self._next_refresh = time.monotonic() + self.every
             new_parts = self.live.refresh()
@@ -194,11 +214,10 @@ class Monitor:
                            "yet — nothing to analyze (still waiting for the run's first flush?)")
             if new_parts:
                 analysis = self.live.analyze()
+                analyzed = True
                 self._warnings(analysis.warnings)
                 self.window_incidents = analysis.incidents
-                fresh = [i for i in self.window_incidents if i.id not in self.reported
-                         and not any(same_fault(v, i) for v in view.incidents)]
-                self.reported.update(i.id for i in self.window_incidents)
+                fresh = self._fresh(self.window_incidents, view.incidents)
                 self._note("parts", fresh, time.monotonic())
                 took = sum(s for _, s in analysis.seconds)
                 steps = ("no completed step" if analysis.first_step < 0
@@ -210,7 +229,8 @@ class Monitor:
             self.ticks += 1
         if self._alerts is not None:
             confirmed = [i for i in self.window_incidents if not any(same_fault(v, i) for v in view.incidents)]
-            self._alerts.tick([*view.incidents, *confirmed], topology(self.live.con))
+            # liveness incidents come every poll, the window's with each analysis: absence is counted in analyses
+            self._alerts.tick([*view.incidents, *confirmed], topology(self.live.con), analyzed=analyzed)
 
     def run(self, count: int | None = None, stop: threading.Event | None = None) -> None:
         """Tick every `poll` seconds until `count` refreshes (None or 0: no limit) or `stop` is set; then close."""

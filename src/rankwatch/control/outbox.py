@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
-from rankwatch.base.rundir import RunDir
+from rankwatch.base.rundir import RunDir, private_file
 from rankwatch.control.wire import AlertConfigError, Message, MessageType
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ class Outbox:
         self._lock = threading.Lock()
         self._deliver_lock = threading.Lock()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_file(self.path)
             self._con = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
         except (OSError, sqlite3.Error) as exc:
             raise AlertConfigError(f"{self.path}: cannot open the outbox ({exc})") from None

@@ -50,8 +50,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
+import os
 import queue
 import re
 import signal
@@ -59,19 +61,20 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from rankwatch.base.rundir import RunDir, read_launches
+from rankwatch.control.http import BodyRefused, Edge, GuardedServer, HttpLimits, read_body, server_config
 from rankwatch.control.ledger import Ledger, MessageState
 from rankwatch.control.manager import (
     Planner, apply, covering, latest_recovery, place_off_quarantine, plan_from_message, plan_live, quarantined,
 )
 from rankwatch.control.signer import load_secret, signature_problem
-from rankwatch.control.wire import AlertMessage, MessageType, parse_message, typed_key
+from rankwatch.control.wire import AlertMessage, MessageType, json_object, parse_message, typed_key
 from rankwatch.recovery.decision import Action
 from rankwatch.recovery.job import Job, JobLoader, LaunchResult, Launcher
 
@@ -86,7 +89,21 @@ DEFAULT_MAX_BODY = 1 << 20
 """Bytes; a rankwatch message is a few KiB (an incident carries at most EVIDENCE_ROWS_MAX rows per evidence item)."""
 TOLERANCE_S = 300
 """Seconds a webhook-timestamp may be off the service's clock either way (Standard Webhooks' own tolerance)."""
+STATUS_LATEST = 20
+"""/status lists at most this many of anything that grows (open incidents, attempts), with the count beside it."""
 _ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_TIMESTAMP_RE = re.compile(r"[0-9]{1,12}")
+"""Integer seconds in ASCII digits: `str.isdigit` also takes other scripts' digits ("\\xb2"), which `int` refuses,
+and an unbounded run of digits overflows the float of the skew."""
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """A value that came from a client as a log line may show it: quoted, escaped (no line breaks, no field that
+    reads as ours), at most `limit` characters of it."""
+    if value is None:
+        return "-"
+    text = str(value)
+    return json.dumps(text[:limit] + ("..." if len(text) > limit else ""))
 
 
 class Refusal(StrEnum):
@@ -104,7 +121,23 @@ class Refusal(StrEnum):
     REPLAYED_ID = "replayed_id"
     """A seen id with a different body (the same body again is a duplicate, answered 200, not a refusal)."""
     BAD_TOKEN = "bad_token"
-    """/alertmanager without the bearer token (or no token configured)."""
+    """/alertmanager (or /status, when a token is configured) without the bearer token (or no token configured)."""
+    NOT_LOOPBACK = "not_loopback"
+    """/status from an address that is not loopback, and no token configured to let it in."""
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+    """Over the connection caps (all clients, or one address), or no body-reader slot free (`control.http`)."""
+    HEADER_TIMEOUT = "header_timeout"
+    """The request line and headers did not complete in time; the connection was closed (`control.http`)."""
+    BODY_TIMEOUT = "body_timeout"
+    """The body did not arrive at the minimum rate (a Content-Length it never fills, a trickle)."""
+    HEADERS_TOO_LARGE = "headers_too_large"
+    """Request line and headers over `HttpLimits.max_header_bytes` (431)."""
+    MALFORMED_REQUEST = "malformed_request"
+    """Not HTTP that h11 can read: headers over the cap, a Content-Length that is no number (`control.http`)."""
+    SHUTTING_DOWN = "shutting_down"
+    """A body read in progress when the service began to stop (503, Retry-After: the sender tries again)."""
+    CLIENT_GONE = "client_gone"
+    """The client went away before its body was read (nothing to answer; counted and logged once)."""
 
 
 class JobState(StrEnum):
@@ -219,10 +252,17 @@ class Manager:
     # --------------------------------------------------------------------------------------------- requests
 
     def refuse(self, reason: Refusal, path: str, msg_id: str | None, why: str, status: int) -> Reply:
+        """Count and log (one line, what came from the client quoted and cut short) a refused request."""
         with self._lock:
             self._refused[str(reason)] += 1
-        log.warning("refused %s %s: %s: %s", path, msg_id or "-", reason, why)
+        log.warning("refused %s %s: %s: %s", path, shown(msg_id), reason, why)
         return Reply(status=status, body={"error": str(reason), "detail": why})
+
+    def refused_at_edge(self, reason: str, client: str) -> None:
+        """A connection or request refused by the HTTP edge (`control.http`): counted and logged like a request."""
+        with self._lock:
+            self._refused[reason] += 1
+        log.warning("refused connection from %s: %s", shown(client), reason)
 
     def submit(self, msg_id: str, body: bytes, message: AlertMessage) -> Reply:
         """A verified, parsed message: committed, then (for a decision) the job stopped if it must be, and queued."""
@@ -232,18 +272,18 @@ class Manager:
         sha = hashlib.sha256(body).hexdigest()
         verdict, state, outcome = self.db.admit(msg_id, sha, body, message)
         if verdict == "duplicate":
-            log.info("duplicate %s (%s): already %s", msg_id, message.type, state)
+            log.info("duplicate %s (%s): already %s", msg_id, message.type, state)  # msg_id matched _ID_RE
             return Reply(status=200, body={"duplicate": True, "id": msg_id, "state": state, "outcome": outcome})
         if verdict == "conflict":
             return self.refuse(Refusal.REPLAYED_ID, "/alerts", msg_id, "id already seen with a different body", 409)
         if message.type is not MessageType.DECISION:
-            log.info("incident %s %s (%s)", message.incident_id, message.status, msg_id)
+            log.info("incident %s %s (%s)", shown(message.incident_id), message.status, msg_id)
             return Reply(status=200, body={"recorded": True, "id": msg_id})
         stopping = message.stops_job and self._stop_for(message)
         self._queue.put((msg_id, message))
         assert message.decision is not None
-        log.info("decision %s (%s %s for %s): queued%s", msg_id, message.decision.id, message.decision.action,
-                 message.incident_id, "; the running attempt is being stopped" if stopping else "")
+        log.info("decision %s (%s %s for %s): queued%s", msg_id, shown(message.decision.id), message.decision.action,
+                 shown(message.incident_id), "; the running attempt is being stopped" if stopping else "")
         return Reply(status=202, body={"accepted": True, "id": msg_id, "stopping": stopping})
 
     def record_alertmanager(self, doc: dict[str, Any]) -> Reply:
@@ -257,9 +297,11 @@ class Manager:
             return Reply(status=200, body={"duplicate": True})
         line = {"received_ns": time.time_ns(), "key": key, "groupKey": group_key, "status": status,
                 "fingerprints": prints, "delivery": doc}
-        with open(RunDir(self.run_dir).alertmanager_log, "a") as f:
+        path = RunDir(self.run_dir).alertmanager_log
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as f:  # evidence: owner only
             f.write(json.dumps(line) + "\n")
-        log.info("alertmanager delivery %s %s (%d alert(s)): recorded as evidence", group_key, status, len(alerts))
+        log.info("alertmanager delivery %s %s (%d alert(s)): recorded as evidence", shown(group_key), shown(status),
+                 len(alerts))
         return Reply(status=200, body={"recorded": True, "evidence_only": True})
 
     def status(self) -> dict[str, Any]:
@@ -273,24 +315,20 @@ class Manager:
         except ValueError as exc:
             launches, launch_error = [], str(exc)
         attempts: list[dict[str, Any]] = []
-        for rec in launches:
-            n = int(rec.get("attempt", len(attempts)))
+        for n, rec in list(enumerate(launches))[-STATUS_LATEST:]:
             r = results.get(n)
             attempts.append({"attempt": n, "started_wall_ns": rec.get("started_wall_ns"),
                              "resume_from": rec.get("resume_from"),
                              "exit_codes": None if r is None else list(r.exit_codes),
                              "stopped": None if r is None else r.stopped})
-        s = self.db.summary()
-        decisions = s.pop("decisions")
         return {
-            "run": self.run_dir.name, "run_dir": str(self.run_dir),
+            "run": self.run_dir.name,
             "job": {"state": str(state), "owned": self._job is not None or cur is not None,
                     "attempt": None if cur is None else cur.number, "pids": [] if cur is None else list(cur.pids)},
-            "attempts": attempts, **({"attempts_error": launch_error} if launch_error else {}),
-            **s,
-            "last_decision": decisions[-1] if decisions else None,
-            "decisions": dict(sorted(Counter(str(d["state"]) for d in decisions).items())),
-            "interrupted": list(self.interrupted),
+            "attempts": attempts, "attempt_count": len(launches),
+            **({"attempts_error": launch_error} if launch_error else {}),
+            **self.db.summary(latest=STATUS_LATEST),
+            "interrupted": list(self.interrupted)[-STATUS_LATEST:],
             "refused": refused,
         }
 
@@ -472,57 +510,88 @@ def read_secret(path: Path) -> str:
     return load_secret(path)
 
 
-def _app(manager: Manager, *, secret: str, token: str | None, max_body: int) -> Any:
+def _exit_now(sig: int, frame: object) -> None:
+    """A second SIGTERM or SIGINT while the service closes: exit now. The ledger is consistent at every instant
+    (each statement commits, WAL with synchronous=FULL); what was accepted and not started is queued again at the
+    next start, and what had started is marked interrupted."""
+    log.warning("%s during shutdown: exiting now", signal.Signals(sig).name)
+    os._exit(128 + sig)
+
+
+def _is_loopback(host: str | None) -> bool:
+    """True for an address of the loopback range (127.0.0.0/8, ::1) or the name localhost."""
+    if host is None:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _app(manager: Manager, *, secret: str, token: str | None, max_body: int, edge: Edge) -> Any:
     from standardwebhooks.webhooks import Webhook, WebhookVerificationError
     from starlette.applications import Starlette
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
     hook = Webhook(secret)
+    limits = edge.limits
 
-    def reply(r: Reply) -> JSONResponse:
-        return JSONResponse(r.body, status_code=r.status)
+    def reply(r: Reply, *, close: bool = False) -> JSONResponse:
+        headers = {"connection": "close"} if close else {}
+        if r.status == 503:
+            headers["retry-after"] = "1"
+        return JSONResponse(r.body, status_code=r.status, headers=headers)
 
-    async def body_of(request: Request) -> bytes | None:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body:
+    async def body_of(request: Request, path: str, msg_id: str | None) -> bytes | JSONResponse | None:
+        """The body, or the refusal to send (None: the client went away, nothing to send)."""
+        try:
+            return await read_body(request.stream(), request.headers.get("content-length"), max_body=max_body,
+                                   edge=edge)
+        except BodyRefused as exc:
+            assert exc.reason is not None
+            return reply(manager.refuse(Refusal(exc.reason), path, msg_id, exc.detail, exc.status),
+                         close=exc.status in (408, 413, 503))
+        except ClientDisconnect:
+            manager.refuse(Refusal.CLIENT_GONE, path, msg_id, "the client went away before its body was read", 400)
             return None
-        buf = bytearray()
-        async for chunk in request.stream():
-            buf += chunk
-            if len(buf) > max_body:
-                return None
-        return bytes(buf)
 
-    async def alerts(request: Request) -> JSONResponse:
+    def bearer_ok(request: Request) -> bool:
+        auth = request.headers.get("authorization", "")
+        given = auth.removeprefix("Bearer ").encode() if auth.startswith("Bearer ") else b""
+        return token is not None and bool(given) and hmac.compare_digest(given, token.encode())
+
+    async def alerts(request: Request) -> JSONResponse | None:
         h = request.headers
-        msg_id = h.get("webhook-id")
-        body = await body_of(request)
-        if body is None:
-            return reply(manager.refuse(Refusal.TOO_LARGE, "/alerts", msg_id, f"body over {max_body} bytes", 413))
-        ts, sig = h.get("webhook-timestamp"), h.get("webhook-signature")
+        msg_id, ts, sig = h.get("webhook-id"), h.get("webhook-timestamp"), h.get("webhook-signature")
+        # every header is checked before a byte of the body is read
         if not (msg_id and ts and sig):
             missing = [n for n, v in (("webhook-id", msg_id), ("webhook-timestamp", ts), ("webhook-signature", sig))
                        if not v]
             return reply(manager.refuse(Refusal.MISSING_HEADERS, "/alerts", msg_id, f"no {', '.join(missing)}", 401))
         if not _ID_RE.fullmatch(msg_id):
-            return reply(manager.refuse(Refusal.MALFORMED_HEADERS, "/alerts", msg_id[:40],
-                                        "webhook-id is not 1-128 of [A-Za-z0-9_.:-]", 401))
-        if not ts.isdigit():
             return reply(manager.refuse(Refusal.MALFORMED_HEADERS, "/alerts", msg_id,
-                                        f"webhook-timestamp {ts[:20]!r} is not integer seconds", 401))
+                                        "webhook-id is not 1-128 of [A-Za-z0-9_.:-]", 401))
+        if not _TIMESTAMP_RE.fullmatch(ts):
+            return reply(manager.refuse(Refusal.MALFORMED_HEADERS, "/alerts", msg_id,
+                                        f"webhook-timestamp {shown(ts, 20)} is not integer seconds (ASCII digits)", 401))
         skew = int(ts) - time.time()
         if abs(skew) > TOLERANCE_S:
             return reply(manager.refuse(Refusal.STALE_TIMESTAMP, "/alerts", msg_id,
                                         f"timestamp {skew:+.0f} s off this clock (allowed +-{TOLERANCE_S})", 401))
+        if (problem := signature_problem(sig)) is not None:
+            return reply(manager.refuse(Refusal.MALFORMED_SIGNATURE, "/alerts", msg_id,
+                                        f"webhook-signature unreadable: {problem}", 401))
+        body = await body_of(request, "/alerts", msg_id)
+        if not isinstance(body, bytes):
+            return body
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError:
             return reply(manager.refuse(Refusal.MALFORMED_BODY, "/alerts", msg_id, "body is not UTF-8", 400))
-        if (problem := signature_problem(sig)) is not None:
-            return reply(manager.refuse(Refusal.MALFORMED_SIGNATURE, "/alerts", msg_id,
-                                        f"webhook-signature unreadable: {problem}", 401))
         try:
             hook.verify(text, {"webhook-id": msg_id, "webhook-timestamp": ts, "webhook-signature": sig},
                         json_parse=False)
@@ -531,37 +600,54 @@ def _app(manager: Manager, *, secret: str, token: str | None, max_body: int) -> 
         try:
             message = parse_message(body)
         except ValueError as exc:
-            return reply(manager.refuse(Refusal.MALFORMED_BODY, "/alerts", msg_id, str(exc), 400))
+            return reply(manager.refuse(Refusal.MALFORMED_BODY, "/alerts", msg_id, str(exc)[:300], 400))
         return reply(manager.submit(msg_id, body, message))
 
-    async def alertmanager(request: Request) -> JSONResponse:
-        auth = request.headers.get("authorization", "")
-        given = auth.removeprefix("Bearer ").encode() if auth.startswith("Bearer ") else b""
-        if token is None or not given or not hmac.compare_digest(given, token.encode()):
+    async def alertmanager(request: Request) -> JSONResponse | None:
+        if not bearer_ok(request):
             why = "no bearer token configured" if token is None else "missing or wrong bearer token"
             return reply(manager.refuse(Refusal.BAD_TOKEN, "/alertmanager", None, why, 401))
-        body = await body_of(request)
-        if body is None:
-            return reply(manager.refuse(Refusal.TOO_LARGE, "/alertmanager", None, f"body over {max_body} bytes", 413))
+        body = await body_of(request, "/alertmanager", None)
+        if not isinstance(body, bytes):
+            return body
         try:
-            doc = json.loads(body.decode("utf-8"))
-            if not isinstance(doc, dict):
-                raise ValueError("body is not a JSON object")
-            return reply(manager.record_alertmanager(doc))
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError among them
-            return reply(manager.refuse(Refusal.MALFORMED_BODY, "/alertmanager", None, str(exc), 400))
+            return reply(manager.record_alertmanager(json_object(body)))
+        except ValueError as exc:  # JSON, UTF-8, nesting, or a key of the wrong type
+            return reply(manager.refuse(Refusal.MALFORMED_BODY, "/alertmanager", None, str(exc)[:300], 400))
 
     async def status(request: Request) -> JSONResponse:
+        if token is not None:
+            if not bearer_ok(request):
+                return reply(manager.refuse(Refusal.BAD_TOKEN, "/status", None, "missing or wrong bearer token", 401))
+        elif not _is_loopback(request.client.host if request.client else None):
+            return reply(manager.refuse(Refusal.NOT_LOOPBACK, "/status", None,
+                                        "without a token, /status answers loopback clients only", 403))
         return JSONResponse(manager.status())
 
     async def healthz(request: Request) -> JSONResponse:
         return JSONResponse({"ok": True})
 
+    async def responding(handler: Callable[[Request], Awaitable[JSONResponse | None]], request: Request) -> Any:
+        response = await handler(request)
+        if response is None:  # the client is gone: close without an answer
+            return JSONResponse({}, status_code=400, headers={"connection": "close"})
+        return response
+
+    def route(path: str, handler: Callable[[Request], Awaitable[JSONResponse | None]], method: str) -> Route:
+        async def endpoint(request: Request) -> Any:
+            size = sum(len(k) + len(v) + 4 for k, v in request.scope["headers"])
+            if size > limits.max_header_bytes:  # h11 caps headers that trickle in; this, those that came at once
+                return reply(manager.refuse(Refusal.HEADERS_TOO_LARGE, path, None,
+                                            f"headers of {size} bytes (at most {limits.max_header_bytes})", 431),
+                             close=True)
+            return await responding(handler, request)
+        return Route(path, endpoint, methods=[method])
+
     return Starlette(routes=[
-        Route("/alerts", alerts, methods=["POST"]),
-        Route("/alertmanager", alertmanager, methods=["POST"]),
-        Route("/status", status, methods=["GET"]),
-        Route("/healthz", healthz, methods=["GET"]),
+        route("/alerts", alerts, "POST"),
+        route("/alertmanager", alertmanager, "POST"),
+        route("/status", status, "GET"),
+        route("/healthz", healthz, "GET"),
     ])
 
 
@@ -571,7 +657,7 @@ class ManagerService:
 
     def __init__(self, run_dir: Path, *, secret: str, launcher: Launcher, token: str | None = None,
                  job: Job | None = None, load_job: JobLoader | None = None, host: str = "127.0.0.1", port: int = 0,
-                 max_body: int = DEFAULT_MAX_BODY, planner: Planner = plan_live,
+                 max_body: int = DEFAULT_MAX_BODY, planner: Planner = plan_live, limits: HttpLimits = HttpLimits(),
                  launch_kw: Mapping[str, Any] | None = None, log_level: str = "warning") -> None:
         if max_body < 1024:
             raise ValueError(f"max_body {max_body}: must be >= 1024 bytes")
@@ -580,21 +666,19 @@ class ManagerService:
         Webhook(secret)  # an empty or non-base64 secret fails here, not on the first request
         self.manager = Manager(run_dir, job=job, load_job=load_job, launcher=launcher, planner=planner,
                                launch_kw=launch_kw)
-        self._app = _app(self.manager, secret=secret, token=token, max_body=max_body)
+        self._edge = Edge(limits, self.manager.refused_at_edge)
+        self._app = _app(self.manager, secret=secret, token=token, max_body=max_body, edge=self._edge)
         self._host, self._port, self._log_level = host, port, log_level
         self._server: Any = None
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        if host not in ("127.0.0.1", "localhost", "::1"):
+        if not _is_loopback(host):
             log.warning("manager service listens on %s, not loopback: anyone who can reach it and holds the secret "
                         "can stop the job", host)
 
-    def _make_server(self) -> Any:
-        import uvicorn
-
-        config = uvicorn.Config(self._app, host=self._host, port=self._port, log_level=self._log_level,
-                                lifespan="off", ws="none", access_log=False)
-        return uvicorn.Server(config)
+    def _make_server(self) -> GuardedServer:
+        return GuardedServer(server_config(self._app, host=self._host, port=self._port, edge=self._edge,
+                                           log_level=self._log_level), self._edge)
 
     def _bind(self) -> socket.socket:
         """The listening socket, bound before anything is launched: an address in use fails here, job untouched."""
@@ -646,6 +730,9 @@ class ManagerService:
         try:
             self._server.run(sockets=[sock])
         finally:
+            if main:  # the server is down; one more signal while the job is stopped ends the process at once
+                for sig in found:
+                    signal.signal(sig, _exit_now)
             self.manager.close()
             sock.close()
             for sig, handler in found.items():
@@ -669,7 +756,8 @@ class ManagerService:
 
 def serve(run_dir: Path, *, launcher: Launcher, load_job: JobLoader, listen: str = "127.0.0.1:8787",
           secret_file: Path, token_file: Path | None = None, job: Job | None = None, max_body: int = DEFAULT_MAX_BODY,
-          launch_kw: Mapping[str, Any] | None = None, log_level: str = "info") -> int:
+          limits: HttpLimits = HttpLimits(), launch_kw: Mapping[str, Any] | None = None,
+          log_level: str = "info") -> int:
     """`rankwatch manager serve`: the service on `listen` (HOST:PORT, loopback by default) until SIGINT/SIGTERM.
     With `job`, it launches that job first; without, it acts on the run as <run>/run.json last recorded it
     (`load_job`)."""
@@ -686,6 +774,6 @@ def serve(run_dir: Path, *, launcher: Launcher, load_job: JobLoader, listen: str
         if not token:
             raise ValueError(f"{token_file}: empty token file")
     ManagerService(run_dir, secret=secret, token=token, job=job, load_job=load_job, launcher=launcher,
-                   host=host.strip("[]"), port=int(port), max_body=max_body, launch_kw=launch_kw,
+                   host=host.strip("[]"), port=int(port), max_body=max_body, limits=limits, launch_kw=launch_kw,
                    log_level=log_level).run_forever()
     return 0

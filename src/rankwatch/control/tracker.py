@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
-from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, SubjectKind, sort_incidents
+from rankwatch.analytics.incidents import FaultKey, Cause, Incident, sort_incidents
 from rankwatch.control.wire import (
     STOPPING_CLASSES, AlertStatus, DecisionFields, Message, MessageType, RankPlacement, alert_start, decision_message,
     incident_message,
@@ -41,14 +41,10 @@ class TrackerConfig:
                              f"{self.stop_resolve_after} must be >= 1")
 
 
-_Key = tuple[IncidentClass, SubjectKind, str, tuple[int, ...], int | None]
-
-
-def _key(incident: Incident) -> _Key:
-    """What stays the same while one fault goes on: an incident's id also hashes its onset step, which a sliding
-    window moves (a straggler seen in steps 80-99 and again in 100-119 has two ids), and two sources (the part-file
-    detectors, the liveness channel) may raise one fail-stop under two ids."""
-    return (incident.klass, incident.subject.kind, incident.subject.id, incident.ranks, incident.attempt)
+def _key(incident: Incident) -> FaultKey:
+    """What stays the same while one fault goes on (`Incident.fault`): two sources (the part-file detectors, the
+    liveness channel) may raise one fail-stop under two ids, and a window moves an incident's onset and its ranks."""
+    return incident.fault
 
 
 def _stops(incident: Incident) -> bool:
@@ -67,8 +63,9 @@ class AlertTracker:
     """Which messages a monitor sends, one call per tick. Pure: it builds messages and holds what it has said; the
     caller enqueues them (an `AlertSender`).
 
-    One alert per fault, not per incident id: an incident with the class, subject, ranks and attempt of an open
-    alert is that alert still going on (its id moved with the window's onset), and sends nothing. The alert's
+    One alert per fault, not per incident id: an incident with the fault key (class, subject, attempt:
+    `Incident.fault`) of an open alert is that episode still going on — its id moved with the window's onset, its
+    ranks with a spreading fault — and sends nothing. The alert's
     messages keep the id of the incident that raised it. A resolved incident id is not raised again, nor a
     fail-stop or hang of a resolved alert, or of an attempt older than the newest one seen. Built afresh after a
     monitor restart, it rebuilds the same messages (same ids) for what is still in the window, which the outbox
@@ -80,12 +77,12 @@ class AlertTracker:
         self.config = config
         self._evidence = evidence_path or (lambda _: None)
         self._open: dict[str, _Open] = {}
-        self._keys: dict[_Key, str] = {}
+        self._keys: dict[FaultKey, str] = {}
         """Open alerts by key."""
         self._resolved: set[str] = set()
-        self._resolved_stops: set[_Key] = set()
+        self._resolved_stops: set[FaultKey] = set()
         self._decided: set[str] = set()
-        self._decided_keys: set[_Key] = set()
+        self._decided_keys: set[FaultKey] = set()
         self._attempt: int | None = None
 
     @property
@@ -114,7 +111,8 @@ class AlertTracker:
 
     def update(self, incidents: Iterable[Incident], decisions: Iterable[DecisionFields] = (), *,
                recovered: Iterable[str | Incident] = (), attempt: int | None = None,
-               placement: Mapping[int, RankPlacement] | None = None, now: float | None = None) -> list[Message]:
+               placement: Mapping[int, RankPlacement] | None = None, now: float | None = None,
+               analyzed: bool = True) -> list[Message]:
         """The messages for this tick, in the order to send them: the new alerts firing (most consequential first),
         then each decision not sent before, then the resolutions.
 
@@ -122,7 +120,9 @@ class AlertTracker:
         `undecided(incidents)`); each names incident ids of this tick or of open alerts. `recovered`: incidents (or
         ids) a recovery dealt with, e.g. those of the manager's recovery records; their alerts resolve now, present
         or not. `attempt`: the run's newest attempt (the topology's max attempt); a fail-stop or hang of an older
-        attempt resolves (the job was relaunched past it)."""
+        attempt resolves (the job was relaunched past it). `analyzed`: False when the
+        incidents are those of an analysis given before (a monitor's liveness polls between part-file refreshes):
+        absence is counted in analyses, not in calls, so one window that misses a fault does not resolve it."""
         now = time.time() if now is None else now
         place = placement or {}
         if attempt is not None:
@@ -176,6 +176,8 @@ class AlertTracker:
                 continue
             if iid in seen:
                 o.absent = 0
+                continue
+            if not analyzed:  # the same analysis again (a liveness poll between refreshes): nothing went away
                 continue
             o.absent += 1
             after = self.config.stop_resolve_after if _stops(inc) else self.config.resolve_after

@@ -415,8 +415,42 @@ def typed_key(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], w
     return value
 
 
-def parse_message(body: bytes) -> AlertMessage:
-    """The wire contract's body -> AlertMessage; ValueError naming the first missing or ill-typed key."""
+MAX_JSON_DEPTH = 32
+"""How deep a received document may nest (objects and arrays): a rankwatch message nests 6 levels, an Alertmanager
+delivery 4. Checked on the bytes before any parser runs, so a document nested 100,000 deep is refused, not a
+RecursionError."""
+
+
+def json_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> int:
+    """How deep `body` nests objects and arrays, counted on the raw bytes outside strings, stopping at `limit` + 1."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    return deepest
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def json_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """A received body as a JSON object: UTF-8, nested at most `max_depth` levels, an object at the top. ValueError
+    saying which of those it is not."""
+    if json_depth(body, max_depth) > max_depth:
+        raise ValueError(f"body nests deeper than {max_depth} levels")
     try:
         doc = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
@@ -425,8 +459,20 @@ def parse_message(body: bytes) -> AlertMessage:
         raise ValueError(f"body is not JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise ValueError("body is not a JSON object")
+    return doc
+
+
+def parse_message(body: bytes) -> AlertMessage:
+    """The wire contract's body -> AlertMessage; ValueError naming the first missing or ill-typed key. Every key the
+    service reads is type-checked here, the incident document by its own schema (`Incident.from_dict`)."""
+    doc = json_object(body)
     for key, kind in (("version", str), ("groupKey", str), ("status", str), ("alerts", list), ("timestamp", str)):
         typed_key(doc, key, kind)
+    if doc["status"] not in {str(s) for s in AlertStatus}:
+        raise ValueError(f"key 'status' is {doc['status'][:20]!r}, not firing or resolved")
+    for n, alert in enumerate(doc["alerts"]):
+        if not isinstance(alert, dict):
+            raise ValueError(f"key 'alerts[{n}]' is {type(alert).__name__}, not dict")
     try:
         kind_ = MessageType(typed_key(doc, "type", str))
     except ValueError as exc:
@@ -446,6 +492,8 @@ def parse_message(body: bytes) -> AlertMessage:
         except ValueError as exc:
             raise ValueError(f"key '{where}.action': {exc}") from None
         quarantines = typed_key(d, "quarantines", list, where)
+        if not all(isinstance(q, str) for q in quarantines):
+            raise ValueError(f"key '{where}.quarantines' holds a value that is not str")
         decision = DecisionNote(
             id=typed_key(d, "id", str, where), action=action, scope=typed_key(d, "scope", (str, type(None)), where),
             target=typed_key(d, "target", (str, type(None)), where),

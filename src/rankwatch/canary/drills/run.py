@@ -400,7 +400,7 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
         f"({seen.source})")
 
     def decided() -> dict[str, Any] | None:
-        for d in manager.db.summary()["decisions"]:
+        for d in manager.db.decisions():
             if d["incident"] == seen.incident.id or (spec.relaunch and d["action"] != "observe"):
                 return dict(d)
         return None
