@@ -591,10 +591,32 @@ def configure_logging(level: str) -> None:
     root.setLevel(level.upper())
 
 
+def _torchrun(argv: Sequence[str]) -> int:
+    """`rankwatch torchrun ...`: torchrun's own arguments, so not parsed by argparse here (control/torchrun.py)."""
+    from rankwatch.control.torchrun import exec_torchrun
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: rankwatch torchrun [--run-dir DIR] [torchrun options] SCRIPT [script args]\n\n"
+              "torchrun with rankwatch's host agent beside every rank (exit status and signal recorded the moment a\n"
+              f"rank ends) and RANKWATCH_RUN_DIR set for collector.attach(). torchrun's own options: torchrun --help")
+        return 0
+    try:
+        exec_torchrun(argv)
+    except (ValueError, OSError) as exc:
+        print(f"rankwatch torchrun: error: {exc}", file=sys.stderr)
+        return 2
+    return 0  # not reached: torchrun replaced this process
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["torchrun"]:
+        return _torchrun(raw[1:])
     parser = argparse.ArgumentParser(prog="rankwatch", description="telemetry and straggler detection for distributed PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    sub.add_parser("torchrun", help="torchrun with rankwatch beside every rank: rankwatch torchrun [--run-dir DIR] "
+                                    "[torchrun options] SCRIPT [args]", add_help=False)
     d = sub.add_parser("demo", help="run the canary on 8 ranks with a slow rank and a throttled GPU")
     d.add_argument("--steps", type=int, default=300)
     d.add_argument("--run-dir", type=Path, default=DEMO_RUN_DIR)
@@ -681,7 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                      "consequential)")
     pm.add_argument("--out", type=Path, required=True, help="the executed notebook (.ipynb)")
     pm.add_argument("--html", type=Path, default=None, help="also write it as HTML")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(raw)
     configure_logging(getattr(args, "log_level", "warning"))
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
                 "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,

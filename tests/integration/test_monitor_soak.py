@@ -74,6 +74,7 @@ def test_ten_minutes_of_a_persistent_and_a_recovering_straggler_send_each_incide
     job.join(SOAK_S + 250)
     watcher.join(60)
     receiver.shutdown()
+    receiver.server_close()  # the listening socket, or it is garbage-collected open during a later test
     took = time.monotonic() - t0
     assert not job.is_alive() and not watcher.is_alive()
     assert took >= SOAK_S * 0.9, took

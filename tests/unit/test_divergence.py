@@ -6,7 +6,9 @@ import polars as pl
 import pytest
 
 from rankwatch.analytics.corruption import detect_corruption
-from rankwatch.analytics.divergence import DivergenceConfig, detect_divergence
+from rankwatch.analytics.divergence import (
+    DivergenceConfig, PerRankStream, detect_divergence, per_rank_notes, per_rank_streams,
+)
 from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Cause, IncidentClass, SubjectKind
 
@@ -182,3 +184,96 @@ def test_a_replay_half_written_is_not_compared_with_the_attempt_it_replaces() ->
               .with_columns(pl.lit(1).alias("attempt"), (pl.col("wall_ns") + 100 * S).alias("wall_ns")))
     assert detect_divergence(Frames.build(topology=topo, fingerprints=pl.concat([fp, replay]))) == ()
     assert detect_corruption(Frames.build(topology=topo, fingerprints=pl.concat([fp, replay]))) == ()
+
+
+def _seeded_apart(fp: pl.DataFrame, seed_of: dict[int, int] | None = None, *, merge: tuple[int, int, int] | None = None
+                  ) -> pl.DataFrame:
+    """`fp` with rng_torch seeded per rank (`seed_of`: rank -> seed, default the rank itself); `merge` = (rank, onto,
+    from_step): from that step on, `rank`'s stream equals rank `onto`'s."""
+    seed = pl.col("rank").replace_strict(seed_of, default=None) if seed_of else pl.col("rank")
+    fp = fp.with_columns((pl.col("rng_torch_hash") + "-seed" + seed.cast(pl.String)).alias("rng_torch_hash"))
+    if merge is None:
+        return fp
+    rank, onto, since = merge
+    theirs = fp.filter(pl.col("rank") == onto).select("step", pl.col("rng_torch_hash").alias("theirs"))
+    return fp.join(theirs, on="step", how="left").with_columns(
+        pl.when((pl.col("rank") == rank) & (pl.col("step") >= since)).then(pl.col("theirs"))
+        .otherwise(pl.col("rng_torch_hash")).alias("rng_torch_hash")).drop("theirs")
+
+
+def test_per_rank_seeding_from_the_first_fingerprint_is_not_divergence() -> None:
+    topo, domains = _layout(dp=4, pp=1)
+    frames = Frames.build(topology=topo, fingerprints=_seeded_apart(_fingerprints(domains)))
+    assert detect_divergence(frames) == () and detect_corruption(frames) == ()
+    assert per_rank_streams(frames) == (PerRankStream(domain="dp.pp0.tp0", attempt=0, field="rng_torch",
+                                                      baseline_step=0, members=4, classes=4),)
+    (note,) = per_rank_notes(per_rank_streams(frames))
+    assert note.startswith("rng_torch differs across the replicas of domain dp.pp0.tp0 from the first fingerprint")
+    # two replicas seeded apart: nothing to blame, nothing diverged
+    topo, domains = _layout(dp=2, pp=2)
+    frames = Frames.build(topology=topo, fingerprints=_seeded_apart(_fingerprints(domains)))
+    assert detect_divergence(frames) == ()
+    assert [(s.domain, s.classes) for s in per_rank_streams(frames)] == [("dp.pp0.tp0", 2), ("dp.pp1.tp0", 2)]
+
+
+def test_identically_seeded_streams_are_not_per_rank() -> None:
+    topo, domains = _layout(dp=4, pp=1)
+    assert per_rank_streams(Frames.build(topology=topo, fingerprints=_fingerprints(domains))) == ()
+    # one rank of four apart at the first fingerprint: a majority agrees, so that rank departs (not a design)
+    frames = Frames.build(topology=topo, fingerprints=_fingerprints(domains, {(1, "rng_torch"): 0}))
+    assert per_rank_streams(frames) == ()
+    (inc,) = detect_divergence(frames)
+    assert (inc.subject.id, inc.cause, inc.onset_step) == ("1", Cause.RNG_MISMATCH, 0)
+
+
+def test_a_normally_seeded_stream_skewing_mid_run_is_still_divergence() -> None:
+    topo, domains = _layout(dp=4, pp=1)
+    frames = Frames.build(topology=topo, fingerprints=_fingerprints(domains, {(3, "rng_torch"): 20}))
+    (inc,) = detect_divergence(frames)
+    assert (inc.subject.kind, inc.subject.id, inc.cause, inc.onset_step) == (SubjectKind.RANK, "3", Cause.RNG_MISMATCH, 20)
+    assert per_rank_streams(frames) == ()
+
+
+def test_a_per_rank_stream_that_becomes_another_ranks_is_divergence() -> None:
+    # six replicas seeded apart; from step 30 rank 4 draws rank 1's numbers: the two now agree, which they did not
+    topo, domains = _layout(dp=6, pp=1)
+    frames = Frames.build(topology=topo, fingerprints=_seeded_apart(_fingerprints(domains), merge=(4, 1, 30)))
+    incidents = detect_divergence(frames)
+    # the hashes cannot tell which of the two moved: both are named, the four others are the majority
+    assert sorted((i.subject.kind, i.subject.id) for i in incidents) == [(SubjectKind.RANK, "1"), (SubjectKind.RANK, "4")]
+    assert {(i.cause, i.onset_step, i.last_good_step, i.fields) for i in incidents} == {
+        (Cause.RNG_MISMATCH, 30, 20, ("rng_torch",))}
+    # four replicas: two against two, nobody blamed
+    topo, domains = _layout(dp=4, pp=1)
+    frames = Frames.build(topology=topo, fingerprints=_seeded_apart(_fingerprints(domains), merge=(2, 0, 30)))
+    (inc,) = detect_divergence(frames)
+    assert (inc.subject.kind, inc.ranks, inc.cause, inc.onset_step) == (
+        SubjectKind.DOMAIN, (0, 1, 2, 3), Cause.RNG_MISMATCH, 30)
+
+
+def test_members_seeded_alike_that_part_is_divergence() -> None:
+    # seeded per node (two ranks a node): ranks 2k and 2k+1 agree at the baseline; from step 40 rank 3 departs
+    topo, domains = _layout(dp=6, pp=1)
+    fp = _seeded_apart(_fingerprints(domains, {(3, "rng_torch"): 40}), {r: r // 2 for r in range(6)})
+    frames = Frames.build(topology=topo, fingerprints=fp)
+    assert [(s.members, s.classes) for s in per_rank_streams(frames)] == [(6, 3)]
+    incidents = detect_divergence(frames)
+    assert sorted(i.subject.id for i in incidents) == ["2", "3"]
+    assert {(i.cause, i.onset_step) for i in incidents} == {(Cause.RNG_MISMATCH, 40)}
+
+
+def test_each_attempt_is_judged_from_its_own_first_fingerprint() -> None:
+    # attempt 1 resumes from step 20 and restores every rank's own RNG state: seeded apart again, other values
+    topo, domains = _layout(dp=6, pp=1)
+    first = _seeded_apart(_fingerprints(domains)).with_columns(pl.lit(0).alias("attempt"))
+    resumed = (_seeded_apart(_fingerprints(domains)).filter(pl.col("step") >= 20)
+               .with_columns(pl.lit(1).alias("attempt"), (pl.col("wall_ns") + 100 * S).alias("wall_ns"),
+                             (pl.col("rng_torch_hash") + "-restored").alias("rng_torch_hash")))
+    frames = Frames.build(topology=topo, fingerprints=pl.concat([first, resumed]))
+    assert detect_divergence(frames) == ()
+    assert [(s.attempt, s.baseline_step) for s in per_rank_streams(frames)] == [(0, 0), (1, 20)]
+    # the resumed attempt's partition is its own reference: rank 5 taking rank 0's numbers at 40 departs there
+    merged = _seeded_apart(_fingerprints(domains), merge=(5, 0, 40)).filter(pl.col("step") >= 20).with_columns(
+        pl.lit(1).alias("attempt"), (pl.col("wall_ns") + 100 * S).alias("wall_ns"))
+    incidents = detect_divergence(Frames.build(topology=topo, fingerprints=pl.concat([first, merged])))
+    assert sorted((i.subject.id, i.onset_step) for i in incidents) == [("0", 40), ("5", 40)]

@@ -219,7 +219,7 @@ EXPORTS = {
         "CudaDeviceTimer", "DeviceTimer", "FakeDeviceTimer", "Mark",
         "Fingerprint", "GpuMonitor", "GpuSample", "GpuSampler", "GpuUnavailable", "GroupInfo", "MemorySink",
         "NullCollector", "NvmlSampler", "ParquetSink", "ReplaySampler", "Sink", "SinkConfig", "StepRecord", "Table",
-        "fingerprint", "instrument_distributed", "open_sampler",
+        "attach", "detach", "fingerprint", "instrument_distributed", "open_sampler",
         "RollupError", "RollupResult", "list_parts", "rollup_all", "run_agent",
     },
     "rankwatch.analytics": {

@@ -17,7 +17,8 @@ import duckdb
 
 from rankwatch.analytics.anomaly import detect_anomalies
 from rankwatch.analytics.corruption import detect_corruption
-from rankwatch.analytics.divergence import detect_divergence
+from rankwatch.analytics.coverage import collective_coverage
+from rankwatch.analytics.divergence import detect_divergence, per_rank_notes, per_rank_streams
 from rankwatch.analytics.failstop import FailStopConfig, detect_failstops
 from rankwatch.analytics.frames import Clock, Frames
 from rankwatch.analytics.hardware import attribute_device_faults
@@ -67,6 +68,9 @@ class Analysis:
     """Wall seconds per stage, in order."""
     views: RunViews | None = None
     """With `AnalysisConfig.views`: what the dashboard and the post-mortem draw."""
+    notes: tuple[str, ...] = ()
+    """What the detectors took as the job's design rather than a fault, one line each: random streams seeded per
+    rank (`divergence.per_rank_notes`)."""
 
 
 Progress = Callable[[str], None]
@@ -166,12 +170,19 @@ def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), p
     except duckdb.Error as exc:  # a row guard naming a damaged part, or a read that failed
         raise read_error(exc, telemetry_dir(run)) from None
     timings.append(("load", time.perf_counter() - t0))
+    try:
+        found = (*found, *collective_coverage(store.con, set(store.tables), world_size=frames.world_size))
+    except duckdb.Error as exc:
+        raise read_error(exc, telemetry_dir(run)) from None
     for w in found:
         progress(f"warning: {w}")
     warnings = (*store.warnings, *found)
     _collect(warnings)
     progress(f"loaded {frames.steps.height} step rows from {frames.world_size} ranks")
     incidents = detect_all(frames, anomaly=config.anomaly, progress=progress, timings=timings)
+    notes = per_rank_notes(per_rank_streams(frames))
+    for n in notes:
+        progress(f"note: {n}")
     views = None
     if config.views:
         t0 = time.perf_counter()
@@ -184,7 +195,7 @@ def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), p
     return Analysis(
         run_dir=run, incidents=incidents, ranks=frames.world_size, first_step=frames.first_step,
         last_step=frames.last_step,
-        warnings=warnings, seconds=tuple(timings), views=views,
+        warnings=warnings, seconds=tuple(timings), views=views, notes=notes,
     )
 
 

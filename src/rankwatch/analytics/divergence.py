@@ -12,6 +12,16 @@ step; `detect_divergence` turns the earliest departures into incidents under the
 
 A disagreement only in parameter / optimizer hashes while step, RNG and data position agree is silent corruption,
 not divergence: `analytics.corruption` reports it from the same departures.
+
+Per-rank random streams: many scripts seed each rank differently on purpose (`torch.manual_seed(seed + rank)`), so an
+RNG stream may differ across replicas from the start without anything having gone wrong. A stream whose values
+already differ at a domain's baseline fingerprint of an attempt, with no strict majority there to blame a minority,
+is per-rank by design (`per_rank_streams`): its values are not compared, but WHICH members agree is. The baseline
+partition (members grouped by equal value) is the reference; a member whose value class later differs from its
+baseline class (two members that differed now agree, or members that agreed now differ) departs as any other
+field does; both sides of such a change are listed, since hashes cannot tell which one moved. A member of a class of
+its own that moves to another value of its own is not seen: such a stream's values carry no expectation. A stream
+that agreed at the baseline is compared value by value as always.
 """
 
 from __future__ import annotations
@@ -28,7 +38,9 @@ from rankwatch.base.schema import CheckpointPhase, EventKind, Fingerprints
 STEP = "step"
 STATE_FIELDS: tuple[str, ...] = ("param", "optim")
 """Fields that differ as a consequence (divergence) or as the fault itself (corruption)."""
-ORIGIN_FIELDS: tuple[str, ...] = ("step", "rng_python", "rng_numpy", "rng_torch", "rng_cuda", "data_position")
+RNG_FIELDS: tuple[str, ...] = ("rng_python", "rng_numpy", "rng_torch", "rng_cuda")
+"""Random streams: the fields a job may set apart per rank by design (`per_rank_streams`)."""
+ORIGIN_FIELDS: tuple[str, ...] = ("step", *RNG_FIELDS, "data_position")
 """Fields whose disagreement is divergence, in the order a cause is picked from."""
 FIELDS: tuple[str, ...] = ORIGIN_FIELDS + STATE_FIELDS
 AFTER_RESTART = "after_restart"
@@ -44,6 +56,8 @@ HASH_COLUMNS: dict[str, str] = {  # fingerprint field name -> column
     "optim": Fingerprints.OPTIM_HASH,
 }
 _NULL = "\x00null"  # nulls (e.g. rng_cuda without CUDA) compare equal to each other
+_AS_BASELINE = "\x00as at the baseline"  # a per-rank stream's member whose value class is its baseline class
+_ABSENT = "\x00absent at the baseline:"  # + rank: a member without a row at the baseline step is a class of its own
 
 DEPARTURE_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
     "domain": pl.String, "step": pl.Int64, "rank": pl.Int32, "field": pl.String, "minority": pl.Boolean,
@@ -69,6 +83,107 @@ class DivergenceConfig:
                 raise ValueError(f"DivergenceConfig.{name} must be in [0, 1], got {getattr(self, name)}")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PerRankStream:
+    """A random stream that differs across a domain's members from its baseline fingerprint of an attempt: per-rank
+    seeding. Its values are not compared across members; changes in which members agree are."""
+
+    domain: str
+    attempt: int
+    field: str
+    """One of `RNG_FIELDS`."""
+    baseline_step: int
+    """The fingerprint step whose partition of members by value is the reference (`per_rank_streams`)."""
+    members: int
+    """Members present at the baseline step."""
+    classes: int
+    """Distinct values among them (`members` when every rank seeds apart)."""
+
+
+def per_rank_streams(frames: Frames, *, min_majority_members: int = 3) -> tuple[PerRankStream, ...]:
+    """The random streams that are per-rank by design, per (domain, attempt), sorted.
+
+    The baseline of a domain in an attempt is its earliest fingerprint step (in `frames`: a live window's first)
+    that every member wrote, else its earliest with two or more members; a replayed step counts for its newest
+    attempt only, as in `fingerprint_departures`. A stream is per-rank when its values differ there and no strict
+    majority of >= `min_majority_members` members agrees (with one, the minority departs, as in any field: a rank
+    that restored another RNG state at a restart is not per-rank seeding). So each attempt, a restart that restores
+    every rank's own RNG state from a checkpoint included, is judged from its own first fingerprint.
+    """
+    fp = _latest_rows(frames)
+    if fp.height == 0:
+        return ()
+    base = _baselines(fp, min_majority_members)
+    return tuple(
+        PerRankStream(domain=d, attempt=int(a), field=f, baseline_step=int(s), members=int(m), classes=int(c))
+        for d, a, f, s, m, c in base.select("domain", "attempt", "field", "baseline_step", "members", "classes")
+        .unique().sort("domain", "attempt", "field").iter_rows()
+    )
+
+
+def per_rank_notes(streams: Sequence[PerRankStream]) -> tuple[str, ...]:
+    """One line per random stream found per-rank in any domain, naming it and where, for an analysis to show."""
+    by_field: dict[str, list[PerRankStream]] = {}
+    for s in streams:
+        by_field.setdefault(s.field, []).append(s)
+    notes = []
+    for field in RNG_FIELDS:
+        found = by_field.get(field)
+        if not found:
+            continue
+        domains = sorted({s.domain for s in found})
+        where = f"domain {domains[0]}" if len(domains) == 1 else f"{len(domains)} domains"
+        notes.append(f"{field} differs across the replicas of {where} from the first fingerprint: per-rank seeding, "
+                     "its values not compared (a change in which replicas agree still is)")
+    return tuple(notes)
+
+
+def _latest_rows(frames: Frames) -> pl.DataFrame:
+    """The fingerprint rows compared: a step's newest attempt, each (rank, domain, step)'s last row, domains of two or
+    more members; with `attempt` (null as 0), `size` (members) and `present` (members with a row at the step)."""
+    fp = frames.fingerprints
+    if fp.height == 0:
+        return fp
+    fp = fp.with_columns(pl.col(Fingerprints.ATTEMPT).fill_null(0))
+    # a step trained again is compared within its newest attempt only: while a replay is being written, some
+    # ranks' rows of it are in and others' are still the replaced attempt's (which may hold the very fault the
+    # replay undoes)
+    fp = fp.filter(pl.col(Fingerprints.ATTEMPT)
+                   == pl.col(Fingerprints.ATTEMPT).max().over(Fingerprints.DOMAIN, Fingerprints.STEP))
+    fp = (
+        fp.sort(Fingerprints.WALL_NS, nulls_last=False)
+        .unique([Fingerprints.RANK, Fingerprints.DOMAIN, Fingerprints.STEP], keep="last", maintain_order=True)
+        .with_columns(pl.col(Fingerprints.DOMAIN_RANKS).list.len().max().over(Fingerprints.DOMAIN).alias("size"))
+        .filter(pl.col("size") >= 2)
+    )
+    return fp.with_columns(pl.len().over(Fingerprints.DOMAIN, Fingerprints.STEP).alias("present"))
+
+
+def _baselines(fp: pl.DataFrame, min_majority_members: int) -> pl.DataFrame:
+    """Per (domain, attempt, per-rank field, rank at the baseline step): `base`, the rank's value there; with
+    `baseline_step`, `members` and `classes`. No row for a stream that is not per-rank."""
+    key = [Fingerprints.DOMAIN, Fingerprints.ATTEMPT]
+    candidates = fp.filter(pl.col("present") >= 2)
+    full = pl.col(Fingerprints.STEP).filter(pl.col("present") >= pl.col("size")).min().over(key)
+    at = candidates.with_columns(pl.coalesce(full, pl.col(Fingerprints.STEP).min().over(key)).alias("baseline_step"))
+    at = at.filter(pl.col(Fingerprints.STEP) == pl.col("baseline_step"))
+    parts = []
+    for name in RNG_FIELDS:
+        value = pl.col(HASH_COLUMNS[name]).cast(pl.String).fill_null(_NULL)
+        rows = at.with_columns(value.alias("base")).with_columns(
+            pl.col("base").n_unique().over(key).alias("classes"), pl.len().over([*key, "base"]).alias("count"),
+        ).with_columns(pl.col("count").max().over(key).alias("top"))
+        majority = (pl.col("present") >= min_majority_members) & (pl.col("top") * 2 > pl.col("present"))
+        rows = rows.filter((pl.col("classes") > 1) & ~majority)
+        parts.append(rows.select(
+            pl.col(Fingerprints.DOMAIN).alias("domain"), pl.col(Fingerprints.ATTEMPT).cast(pl.Int32).alias("attempt"),
+            pl.lit(name).alias("field"), pl.col(Fingerprints.RANK).cast(pl.Int32).alias("rank"), pl.col("base"),
+            pl.col("baseline_step").cast(pl.Int64), pl.col("present").cast(pl.Int32).alias("members"),
+            pl.col("classes").cast(pl.Int32),
+        ))
+    return pl.concat(parts)
+
+
 def fingerprint_departures(frames: Frames, *, min_majority_members: int = 3) -> pl.DataFrame:
     """One row per (domain, fingerprint step, rank, field) where the domain's members disagree on that field.
 
@@ -77,25 +192,14 @@ def fingerprint_departures(frames: Frames, *, min_majority_members: int = 3) -> 
     majority itself are not listed). Without a majority every member present is listed with `minority` false.
     The `step` field flags fingerprints a rank wrote at a step most members never fingerprinted, before the
     domain's last common step (a shifted step counter); its `minority` follows the same rule. A step fingerprinted
-    by several attempts (a replay) is read from its newest attempt's rows only.
+    by several attempts (a replay) is read from its newest attempt's rows only. A random stream that is per-rank by
+    design (`per_rank_streams`) is compared by which members share a value, not by the values: its rows are the
+    members whose value class is no longer their baseline class, `value` their value.
     """
-    fp = frames.fingerprints
+    fp = _latest_rows(frames)
     if fp.height == 0:
         return pl.DataFrame(schema=DEPARTURE_SCHEMA)
-    if Fingerprints.ATTEMPT in fp.columns:
-        # a step trained again is compared within its newest attempt only: while a replay is being written, some
-        # ranks' rows of it are in and others' are still the replaced attempt's (which may hold the very fault the
-        # replay undoes)
-        fp = fp.filter(pl.col(Fingerprints.ATTEMPT).fill_null(0)
-                       == pl.col(Fingerprints.ATTEMPT).fill_null(0).max().over(Fingerprints.DOMAIN, Fingerprints.STEP))
-    fp = (
-        fp.sort(Fingerprints.WALL_NS, nulls_last=False)
-        .unique([Fingerprints.RANK, Fingerprints.DOMAIN, Fingerprints.STEP], keep="last", maintain_order=True)
-        .with_columns(pl.col(Fingerprints.DOMAIN_RANKS).list.len().max().over(Fingerprints.DOMAIN).alias("size"))
-        .filter(pl.col("size") >= 2)
-    )
     key = [Fingerprints.DOMAIN, Fingerprints.STEP]
-    fp = fp.with_columns(pl.len().over(key).alias("present"))
     parts: list[pl.DataFrame] = []
 
     # A shifted step counter: rows at steps fingerprinted by no more than half the domain, while the domain has
@@ -147,11 +251,16 @@ def fingerprint_departures(frames: Frames, *, min_majority_members: int = 3) -> 
         )
 
     on_common = fp.filter(pl.col("present") >= 2)
+    baselines = _baselines(fp, min_majority_members)
     for name, column in HASH_COLUMNS.items():
         value = pl.col(column).cast(pl.String).fill_null(_NULL)
-        counted = on_common.with_columns(value.alias("value")).with_columns(
-            pl.len().over([*key, "value"]).alias("count"),
-            pl.col("value").n_unique().over(key).alias("distinct"),
+        rows = on_common.with_columns(value.alias("value"), value.alias("compared"))
+        per_rank = baselines.filter(pl.col("field") == name)
+        if per_rank.height:
+            rows = _as_partition(rows, per_rank, key)
+        counted = rows.with_columns(
+            pl.len().over([*key, "compared"]).alias("count"),
+            pl.col("compared").n_unique().over(key).alias("distinct"),
         ).with_columns(pl.col("count").max().over(key).alias("top"))
         majority = (pl.col("present") >= min_majority_members) & (pl.col("top") * 2 > pl.col("present"))
         rows = counted.filter(pl.col("distinct") > 1).with_columns(majority.alias("majority")).filter(
@@ -170,6 +279,29 @@ def fingerprint_departures(frames: Frames, *, min_majority_members: int = 3) -> 
     if not parts:
         return pl.DataFrame(schema=DEPARTURE_SCHEMA)
     return pl.concat([p.cast(DEPARTURE_SCHEMA) for p in parts]).sort("domain", "step", "rank", "field")  # type: ignore[arg-type]
+
+
+def _as_partition(rows: pl.DataFrame, per_rank: pl.DataFrame, key: Sequence[str]) -> pl.DataFrame:
+    """`compared` of a per-rank stream's rows: `_AS_BASELINE` where the member's value class at the step is its
+    baseline class (among the members present at the step), else its value, so the majority rule then names the
+    members whose class changed. Rows of (domain, attempt)s where the stream is not per-rank keep their value."""
+    streams = per_rank.select(pl.col("domain").alias(Fingerprints.DOMAIN),
+                              pl.col("attempt").alias(Fingerprints.ATTEMPT)).unique()
+    bases = per_rank.select(pl.col("domain").alias(Fingerprints.DOMAIN), pl.col("attempt").alias(Fingerprints.ATTEMPT),
+                            pl.col("rank").alias(Fingerprints.RANK), pl.col("base"))
+    casts = {Fingerprints.ATTEMPT: pl.Int32, Fingerprints.RANK: pl.Int32}
+    rows = rows.with_columns(pl.col(c).cast(t) for c, t in casts.items())
+    inside = rows.join(streams.with_columns(pl.lit(True).alias("per_rank")), on=[Fingerprints.DOMAIN,
+                       Fingerprints.ATTEMPT], how="left")
+    inside = inside.join(bases, on=[Fingerprints.DOMAIN, Fingerprints.ATTEMPT, Fingerprints.RANK], how="left")
+    base = pl.coalesce(pl.col("base"), pl.lit(_ABSENT) + pl.col(Fingerprints.RANK).cast(pl.String))
+    # the class at the step equals the baseline class iff each lies within the other
+    same = ((base.n_unique().over([*key, "value"]) == 1)
+            & (pl.col("value").n_unique().over([*key, "base_or_absent"]) == 1))
+    inside = inside.with_columns(base.alias("base_or_absent")).with_columns(
+        pl.when(pl.col("per_rank").fill_null(False) & same).then(pl.lit(_AS_BASELINE))
+        .otherwise(pl.col("value")).alias("compared"))
+    return inside.drop("per_rank", "base", "base_or_absent")
 
 
 def first_origin_steps(departures: pl.DataFrame) -> pl.DataFrame:

@@ -3,8 +3,15 @@
 What the telemetry shows when a rank goes (see canary/loop.py and collector/collector.py):
 
 - `os._exit` or SIGKILL: nothing at all from the victim; its steps and heartbeats just end (rows of its last
-  flush interval may be lost with it). Peers block in their next collective with it, and after the process-group
-  timeout write error rows and exception events; the launcher then SIGTERMs the rest (signal + exit events).
+  flush interval may be lost with it). Peers block in their next collective with it, and fail (gloo: at once, the
+  peer's connection reset; NCCL: "remote process exited", or the watchdog's timeout) with texts that name no peer
+  (`analytics.transport.REACTION_TEXTS`), often with no collective error row (on CUDA the host thread enqueued the
+  collective and moved on).
+- torchrun's agent, once a worker has failed (its poll every `--monitor-interval`, 0.1 s), signals the process group
+  of every worker still running with SIGTERM, waits `--shutdown-timeout` (30 s) and SIGKILLs those left
+  (`SubprocessContext._close`, `SubprocessHandler.close` under torch/distributed/elastic/multiprocessing/). A
+  worker's SIGTERM handler (the collector's: signal + exit events) runs once its main thread is back in Python; one
+  blocked in a C call (a gloo wait, a CUDA sync) writes nothing, beats on and ends at the SIGKILL.
 - SIGTERM or an exception of its own: a signal / exception + exit event, about when its peers start to fail.
 - hang: the training thread blocks, outside any collective or inside one the other members of its group got past;
   heartbeats go on; peers block in their next collective with it.
@@ -15,24 +22,27 @@ What the telemetry shows when a rank goes (see canary/loop.py and collector/coll
   groups got past (`_reached`).
 
 A clean end is an exit event with code 0 from every rank. Survivors' exception, error and signal rows are
-consequences, never evidence against them, but they say what they react to. The culprit is, in order of the
-evidence used:
+consequences, never evidence against them, but they say what they react to: a signal after another rank had failed
+is the launcher's reaction to it (`_reacting`). The culprit is, in order of the evidence used:
 
 1. the rank the survivors' errors name: a peer rank in their exception or collective error messages ("connection
    closed by peer ... (rank 11)"), the most named first, following a chain to its end;
    1b. the rank whose own connections failed locally while its peers' failed because it went (`analytics.transport`:
    "Software caused connection abort" against "Connection reset by peer"): a partition of that rank, cause NETWORK;
 2. the rank(s) whose own abnormal terminal event came first, from a rank that was neither reacting (no failed
-   collective, no peer named) nor already waiting in a collective;
+   collective, no peer named, no survivor's text, no signal after a failure) nor already waiting in a collective;
+   2b. the rank(s) whose telemetry ended, with no terminal event of their own, before any rank's abnormal end
+   (`_gone_first`): anyone alive then wrote its end or lived on past it;
 3. the root of the wait graph of blocked collectives (`_by_wait_graph`);
 4. a rank silent for much longer than the rest of the job (`_silent`);
 5. in a job stalled everywhere with heartbeats going on and nothing blocked on the host (a CUDA job's threads wait
    at a sync point), the rank not where the others are (`_by_position`).
 
-When there is none and the job itself stopped abnormally (a signal or abnormal exit on most ranks at once; or no
-terminal event anywhere and every rank's telemetry ending at about the same time, mid-step), the incident is the
-job's. A run that stops on every rank at the same step boundary with nothing open and nothing written (a copy cut
-at a step) gives nothing; a live window cut mid-step looks like a SIGKILLed job (`FailStopConfig.run_over`).
+When there is none and the job itself stopped abnormally (a signal or abnormal exit on most ranks at once, counting with
+a signal the ranks that ended after it writing nothing; or no terminal event anywhere and every rank's telemetry ending
+at about the same time, mid-step), the incident is the job's. A run that stops on every rank at the same step boundary
+with nothing open and nothing written (a copy cut at a step) gives nothing; a live window cut mid-step looks like a
+SIGKILLed job (`FailStopConfig.run_over`).
 """
 
 from __future__ import annotations
@@ -43,16 +53,13 @@ import polars as pl
 
 from rankwatch.analytics.frames import Clock, Frames
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
-from rankwatch.analytics.transport import partitioned
+from rankwatch.analytics.transport import NAMED_RANK, REPORTER_RANK, is_reaction, partitioned
 from rankwatch.base.schema import EventKind
 
 __all__ = ["FailStopConfig", "detect_failstops"]
 
 _P2P_OPS = ("send", "recv", "isend", "irecv")
 _TERMINAL = (str(EventKind.EXIT), str(EventKind.SIGNAL), str(EventKind.EXCEPTION))
-_NAMED_RANK = r"(?i)\brank\s*[=:#]?\s*\d+"
-"""A rank named in an error message: gloo's "(rank 11)", torch's "Rank 3 failed to pass monitoredBarrier"; a
-reporter naming itself (NCCL's "[Rank 3] Watchdog ...") is left out."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,7 +133,10 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
         blocked = blocked.filter(pl.col("state") == "error")
     errors = _since_attempt(frames.collective_errors, start, "exit_wall_ns")
     named = _named_peers(events, errors, world)
-    silent = set() if starting else _silent(live, stall)
+    ended = set(int(r) for r in terminal["rank"].unique())
+    # a rank that wrote its own terminal event ended; it did not fall silent
+    silent = set() if starting else _silent(live, stall) - ended
+    gone = set() if starting else _gone_first(live, ended, abnormal, errors, now, stall, config)
     stalled = not starting and _stalled(live, now, stall)
 
     culprits: set[int] = set()
@@ -135,7 +145,9 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
         rules = (
             ("named by peers", lambda: _by_named(named)),
             ("own transport", lambda: _by_transport(events, errors)),
-            ("events", lambda: _by_events(frames, abnormal, errors, named, blocked, silent, world, config)),
+            ("events", lambda: _by_events(frames, live, abnormal, errors, named, blocked, silent | gone, ended,
+                                          world, config)),
+            ("gone first", lambda: gone),
             ("wait graph", lambda: _by_wait_graph(blocked, reached, silent, frames.clock is Clock.DEVICE)),
             ("silence", lambda: silent),
             ("position", lambda: _by_position(frames, live, events, stall) if stalled else set()),
@@ -150,7 +162,7 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
                         replace(config, run_over=False) if starting else config)
         return (_job_incident(frames, live, job, events, config),) if job is not None else ()
     confidence = {"events": config.event_confidence, "named by peers": config.event_confidence,
-                  "own transport": config.event_confidence,
+                  "own transport": config.event_confidence, "gone first": config.event_confidence,
                   "wait graph": config.graph_confidence}.get(method, config.fallback_confidence)
     return tuple(
         _incident(frames, r, method, confidence, events, errors, blocked, stall, block, silent) for r in sorted(culprits)
@@ -335,9 +347,12 @@ def _messages(events: pl.DataFrame, errors: pl.DataFrame) -> pl.DataFrame:
 
 
 def _named_peers(events: pl.DataFrame, errors: pl.DataFrame, world: int) -> pl.DataFrame:
-    """(reporter, named, wall_ns): a rank named in another rank's exception or collective error message."""
+    """(reporter, named, wall_ns): a rank named in another rank's exception or collective error message
+    (`analytics.transport.peers_named`: a rank NCCL prints of the reporter itself is left out, and so is the
+    reporter)."""
     out = (
-        _messages(events, errors).with_columns(pl.col("message").str.extract_all(_NAMED_RANK).alias("named"))
+        _messages(events, errors)
+        .with_columns(pl.col("message").str.replace_all(REPORTER_RANK, "").str.extract_all(NAMED_RANK).alias("named"))
         .explode("named")
         .with_columns(pl.col("named").str.extract(r"(\d+)$", 1).cast(pl.Int64))
         .filter(pl.col("named").is_not_null() & (pl.col("named") != pl.col("reporter")) & (pl.col("named") < world))
@@ -379,6 +394,29 @@ def _silent(live: pl.DataFrame, stall: int) -> set[int]:
     return set(int(r) for r in silent["rank"])
 
 
+def _gone_first(live: pl.DataFrame, ended: set[int], abnormal: pl.DataFrame, errors: pl.DataFrame, now: int,
+                stall: int, config: FailStopConfig) -> set[int]:
+    """Ranks that ended before anything else happened: no terminal event of their own (`ended`: the ranks that wrote
+    one), telemetry ending before the first abnormal terminal event or collective error of any rank, and fewer than
+    half the ranks. A rank alive when the first failure, reaction or stop request came either wrote its own end
+    (a SIGTERM handler's signal and exit, an exception) or lived on after it (a handler deferred while its main
+    thread is in a C call: it beats until the SIGKILL at the end of the launcher's grace, 30 s for torchrun, longer
+    than the collector's flush interval, whose rows a SIGKILL loses). So one that ended silently before it was dead
+    or frozen already (SIGKILL, a lost host), however shortly before; half the job or more ending so is a kill of
+    the whole job that lost each rank's last rows. In a live window (not `run_over`) a rank's newest rows may be
+    unread yet: it also must have been silent for `stall`."""
+    first = _earliest(abnormal["wall_ns"].min(), errors["exit_wall_ns"].min())
+    if first is None:
+        return set()
+    seen = pl.col("last_seen_wall_ns").fill_null(0)
+    before = live.filter(~pl.col("rank").is_in(list(ended)) & (seen < first))
+    if not config.run_over:
+        before = before.filter(seen < now - stall)
+    if 2 * before.height >= live.height:
+        return set()
+    return set(int(r) for r in before["rank"])
+
+
 # -- culprit rules ------------------------------------------------------------------------------------------------------
 
 def _by_named(named: pl.DataFrame) -> set[int]:
@@ -406,13 +444,15 @@ def _by_transport(events: pl.DataFrame, errors: pl.DataFrame) -> set[int]:
     return partitioned(msgs)
 
 
-def _by_events(frames: Frames, abnormal: pl.DataFrame, errors: pl.DataFrame, named: pl.DataFrame,
-               blocked: pl.DataFrame, silent: set[int], world: int, config: FailStopConfig) -> set[int]:
-    """Ranks whose own abnormal terminal event came first: from a rank neither reacting (a failed collective of
-    its own, a peer named in its errors) nor already blocked in a collective when it happened, about no later than
-    the first reaction (within a heartbeat: host clocks differ), after no other rank had gone silent (then it is a
-    reaction to that one, whatever it says), and not part of a job-wide stop."""
-    reacting = set(int(r) for r in errors["rank"].unique()) | set(int(r) for r in named["reporter"].unique())
+def _by_events(frames: Frames, live: pl.DataFrame, abnormal: pl.DataFrame, errors: pl.DataFrame,
+               named: pl.DataFrame, blocked: pl.DataFrame, silent: set[int], ended: set[int], world: int,
+               config: FailStopConfig) -> set[int]:
+    """Ranks whose own abnormal terminal event came first: from a rank neither reacting (`_reacting`: a failed
+    collective of its own, a peer named in its errors, a survivor's text for a peer gone, a SIGTERM after another
+    rank had failed) nor already blocked in a collective when it happened, about no later than the first reaction
+    (within a heartbeat: host clocks differ), after no other rank had gone silent (`silent`: then it is a reaction to
+    that one, whatever it says), and not part of a job-wide stop (`_stop_ranks`)."""
+    reacting = _reacting(abnormal, errors, named, live, silent)
     own = abnormal.filter(~pl.col("rank").is_in(list(reacting)))
     if own.height == 0:
         return set()
@@ -424,7 +464,7 @@ def _by_events(frames: Frames, abnormal: pl.DataFrame, errors: pl.DataFrame, nam
         return set()
     firsts = own.group_by("rank").agg(pl.col("wall_ns").min().alias("t")).sort("t")
     t0 = int(firsts["t"][0])
-    gone = frames.liveness.filter(pl.col("rank").is_in(list(silent)))["last_seen_wall_ns"].min()
+    gone = live.filter(pl.col("rank").is_in(list(silent)))["last_seen_wall_ns"].min()
     if gone is not None and int(gone) < t0:  # type: ignore[arg-type]
         return set()
     cluster = firsts.filter(pl.col("t") <= t0 + int(config.simultaneous_fraction * frames.heartbeat_interval_ns))
@@ -436,10 +476,64 @@ def _by_events(frames: Frames, abnormal: pl.DataFrame, errors: pl.DataFrame, nam
         return set()
     # a launcher's signal reaches the hosts one after another: own events on most ranks within the job window are
     # one job-wide stop (the first host's cluster is not a culprit)
-    job = firsts.filter(pl.col("t") <= t0 + int(config.job_window_heartbeats * frames.heartbeat_interval_ns))
-    if 2 * job.height > world:
+    if 2 * len(_stop_ranks(own, live, ended, frames, config)) > world:
         return set()
     return set(int(r) for r in cluster["rank"])
+
+
+def _reacting(abnormal: pl.DataFrame, errors: pl.DataFrame, named: pl.DataFrame, live: pl.DataFrame,
+              gone: set[int]) -> set[int]:
+    """Ranks whose abnormal end is a reaction to another rank's failure: a collective error of their own; a peer
+    named in their errors; an exception whose text is a survivor's for a peer gone (`analytics.transport.
+    is_reaction`: NCCL's, c10d's, gloo's); or a stop request after another rank had already failed
+    (`_first_failure`): torchrun's agent, once a worker has failed, signals the process group of every worker still
+    running with SIGTERM, then SIGKILL after `--shutdown-timeout` (`SubprocessContext._close` and
+    `SubprocessHandler.close` under torch/distributed/elastic/multiprocessing/)."""
+    reacting = set(int(r) for r in errors["rank"].unique()) | set(int(r) for r in named["reporter"].unique())
+    exc = abnormal.filter((pl.col("kind") == str(EventKind.EXCEPTION)) & pl.col("message").is_not_null())
+    reacting |= {int(r) for r, m in exc.select("rank", "message").iter_rows() if is_reaction(m)}
+    failed = _first_failure(abnormal, errors, live, gone, reacting)
+    if failed is not None:
+        firsts = abnormal.sort("wall_ns").group_by("rank", maintain_order=True).first()
+        reacting |= set(int(r) for r in firsts.filter(
+            (pl.col("kind") == str(EventKind.SIGNAL)) & (pl.col("wall_ns") > failed))["rank"])
+    return reacting
+
+
+def _first_failure(abnormal: pl.DataFrame, errors: pl.DataFrame, live: pl.DataFrame, gone: set[int],
+                   reacting: set[int]) -> int | None:
+    """When some rank first failed rather than was stopped: the earliest exception or abnormal exit of a rank that
+    got no signal (a signalled rank's exit code 128 + n is its signal's) from a rank not reacting, or end of a rank
+    gone silent (`gone`); a reaction (an exception or exit of a `reacting` rank, a collective error) shows a failure
+    came before it, but only before the first signal (after it, it may be a reaction to the stop itself: a peer
+    that left). None when nothing failed."""
+    signalled = abnormal.filter(pl.col("kind") == str(EventKind.SIGNAL))
+    failed = abnormal.filter((pl.col("kind") == str(EventKind.EXCEPTION))
+                             | ((pl.col("kind") == str(EventKind.EXIT)) & ~pl.col("rank").is_in(signalled["rank"])))
+    react = _earliest(failed.filter(pl.col("rank").is_in(list(reacting)))["wall_ns"].min(),
+                      errors["exit_wall_ns"].min())
+    first_signal = _earliest(signalled["wall_ns"].min())
+    if react is not None and first_signal is not None and react > first_signal:
+        react = None
+    return _earliest(failed.filter(~pl.col("rank").is_in(list(reacting)))["wall_ns"].min(), react,
+                     live.filter(pl.col("rank").is_in(list(gone)))["last_seen_wall_ns"].min())
+
+
+def _stop_ranks(own: pl.DataFrame, live: pl.DataFrame, ended: set[int], frames: Frames,
+                config: FailStopConfig) -> set[int]:
+    """The ranks one stop from outside reached, when the first of the `own` abnormal events opens one: those with
+    an own event within `job_window_heartbeats` of the first; and, when the first is a signal, every rank that wrote
+    no terminal event at all (not in `ended`) and was heard from at or after it: its SIGTERM handler runs
+    only once its main thread is back in Python, so a rank blocked in a C call (a gloo wait, a CUDA sync) writes
+    nothing and is SIGKILLed at the end of the grace (torchrun: `--shutdown-timeout`, 30 s)."""
+    first = own.sort("wall_ns").row(0, named=True)
+    t0 = int(first["wall_ns"])
+    window = int(config.job_window_heartbeats * frames.heartbeat_interval_ns)
+    ranks = set(int(r) for r in own.filter(pl.col("wall_ns") <= t0 + window)["rank"])
+    if first["kind"] == str(EventKind.SIGNAL):
+        ranks |= set(int(r) for r in live.filter(
+            ~pl.col("rank").is_in(list(ended)) & (pl.col("last_seen_wall_ns") >= t0))["rank"])
+    return ranks
 
 
 def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame, silent: set[int], device: bool) -> set[int]:
@@ -540,23 +634,27 @@ def _by_position(frames: Frames, live: pl.DataFrame, events: pl.DataFrame, stall
 def _job_stop(frames: Frames, live: pl.DataFrame, start: pl.DataFrame, terminal: pl.DataFrame, abnormal: pl.DataFrame,
               world: int, config: FailStopConfig) -> tuple[Cause, str, int | None] | None:
     """How the job itself stopped, when it stopped abnormally at once: a signal or abnormal exit on more than half
-    the ranks within `job_window_heartbeats`; or (`run_over`) no terminal event anywhere and telemetry that ends
-    mid-step (an operation open, a heartbeat in a step never completed, or ranks at different last steps)."""
+    the ranks within `job_window_heartbeats` (with a signal first, counting the ranks that ended after it writing
+    nothing: `_stop_ranks`); or (`run_over`) no terminal event anywhere and telemetry that ends mid-step (an
+    operation open, a heartbeat in a step never completed, or ranks at different last steps)."""
     if abnormal.height:
-        firsts = abnormal.group_by("rank").agg(pl.col("wall_ns").min().alias("t"), pl.col("kind"))
-        t0 = int(firsts["t"].min())  # type: ignore[arg-type]
+        t0 = int(abnormal["wall_ns"].min())  # type: ignore[arg-type]
         window = int(config.job_window_heartbeats * frames.heartbeat_interval_ns)
         together = abnormal.filter(pl.col("wall_ns") <= t0 + window)
-        if 2 * together["rank"].n_unique() <= world:
+        ended = set(int(r) for r in terminal["rank"].unique())
+        reached = _stop_ranks(abnormal, live, ended, frames, config)
+        if 2 * len(reached) <= world:
             return None
+        later = len(reached - set(int(r) for r in together["rank"]))
+        killed = f" (and {later} that wrote nothing and ended later: SIGKILLed after the grace)" if later else ""
         attempt = together["attempt"].max()
         att = None if attempt is None else int(attempt)  # type: ignore[arg-type]
         if together.filter(pl.col("kind") == str(EventKind.SIGNAL)).height:
             sig = together.filter(pl.col("kind") == str(EventKind.SIGNAL))["signal"].drop_nulls()
             what = f"signal {int(sig.mode()[0])}" if sig.len() else "a signal"
-            return Cause.SIGNAL, (f"{what} on {together['rank'].n_unique()} of {world} ranks within "
-                                  f"{(int(together['wall_ns'].max()) - t0) / 1e6:.0f} ms, nobody failing first: "  # type: ignore[arg-type]
-                                  f"the job was stopped from outside"), att
+            span = (int(together["wall_ns"].max()) - t0) / 1e6  # type: ignore[arg-type]
+            return Cause.SIGNAL, (f"{what} on {together['rank'].n_unique()} of {world} ranks within {span:.0f} ms"
+                                  f"{killed}, nobody failing first: the job was stopped from outside"), att
         cause = Cause.EXCEPTION if together.filter(pl.col("kind") == str(EventKind.EXCEPTION)).height else Cause.EXIT
         return cause, f"{cause} on {together['rank'].n_unique()} of {world} ranks at once, nobody failing first", att
     if terminal.height or not config.run_over:

@@ -226,6 +226,10 @@ class EventKind(StrEnum):
     CHECKPOINT_FAILED = "checkpoint_failed"
     """A save that committed nothing: which rank failed and how, and what became of its partial files (removed,
     bytes freed) — the description of a partial that is not kept."""
+    COLLECTIVE_COUNTS = "collective_counts"
+    """Written at close when torch's Flight Recorder is on: the message is a JSON object group -> collectives that
+    group issued while the collector recorded, by torch's own count (collector/flight.py); what the collectives table
+    is checked against (analytics: a partial table is a warning)."""
     REPLAY_BASIS = "replay_basis"
     """Rank 0 of an attempt that undoes a state fault (corruption, divergence): the attempts it replaces are a
     replay reference only before the event's `step`, where the fault may have begun (their later states held it)."""
@@ -860,3 +864,9 @@ class ExitField(StrEnum):
     """Exit status (null when a signal ended it)."""
     SIGNAL = "signal"
     """The signal that ended it (null for an exit)."""
+    OUTSIDE_SIGNAL = "outside_signal"
+    """The first signal the rank's host side received from outside (the launcher's SIGTERM to the worker's process
+    group, an operator's kill) before the process ended; null when none came: the process ended on its own, or by a
+    signal sent to it alone (a SIGKILL of that one process). Written by `rankwatch torchrun`'s host agent."""
+    OUTSIDE_SIGNAL_NS = "outside_signal_ns"
+    """When that signal arrived (wall clock, ns)."""

@@ -110,6 +110,34 @@ def group_specs(layout: Layout) -> list[tuple[GroupKind, str, list[int]]]:
     return specs
 
 
+_DP_NAMES = ("dp", "ddp", "fsdp", "hsdp", "data", "shard", "replicate", "dp_shard", "dp_replicate", "dp_cp")
+_TP_NAMES = ("tp", "tensor", "sp", "ep")
+_PP_NAMES = ("pp", "pipe", "pipeline")
+
+
+def group_kind(dim_name: str) -> GroupKind:
+    """The kind of a mesh dimension (or group description) from its name: "dp_shard" is data parallel, "tp" tensor
+    parallel, "pp" pipeline parallel; anything else (a context-parallel "cp", a name of the job's own) is OTHER."""
+    name = dim_name.lower().removeprefix("mesh_")
+    if name in _PP_NAMES:
+        return GroupKind.PP
+    if name in _TP_NAMES:
+        return GroupKind.TP
+    if name in _DP_NAMES or name.startswith("dp"):
+        return GroupKind.DP
+    return GroupKind.OTHER
+
+
+def group_name(desc: str, c10d_name: str, ranks: tuple[int, ...]) -> str:
+    """A process group's name in telemetry when the job did not name it: the description it was created with and
+    its first member (DeviceMesh names every tensor-parallel group "mesh_tp": "mesh_tp.r2" is the one starting at
+    rank 2), else its c10d group name ("pg3"). The same on every member, since groups are created collectively in one
+    order (torch/distributed/distributed_c10d.py `_process_group_name`)."""
+    if desc and desc not in ("undefined", "default_pg"):
+        return f"{desc}.r{min(ranks)}" if ranks else desc
+    return f"pg{c10d_name}"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GroupInfo:
     """A process group as telemetry names it."""

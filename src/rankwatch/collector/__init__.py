@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from rankwatch.collector.collector import CheckpointPhaseRecord, Collector, CollectorConfig
     from rankwatch.collector.device import CudaDeviceTimer, DeviceTimer, FakeDeviceTimer, Mark
     from rankwatch.collector.fingerprint import Fingerprint, fingerprint
+    from rankwatch.collector.attach import attach, detach
     from rankwatch.collector.instrument import instrument_distributed
     from rankwatch.collector.null import NullCollector
 
@@ -33,6 +34,7 @@ _WITH_TORCH = {
     "CudaDeviceTimer": "device", "DeviceTimer": "device", "FakeDeviceTimer": "device", "Mark": "device",
     "Fingerprint": "fingerprint", "fingerprint": "fingerprint",
     "instrument_distributed": "instrument",
+    "attach": "attach", "detach": "attach",
     "NullCollector": "null",
 }
 """Name -> the module of this package that defines it, imported on first use (it imports torch)."""
@@ -51,6 +53,7 @@ __all__ = [
     "SCHEMA_VERSION", "CheckpointPhaseRecord", "CollectiveTracker", "Collector", "CollectorConfig", "CudaDeviceTimer",
     "DeviceInfo", "DeviceTimer", "FakeDeviceTimer", "Fingerprint", "GpuMonitor", "GpuSample", "GpuSampler",
     "GpuUnavailable", "GroupInfo", "Mark", "MemorySink", "NullCollector", "NvmlSampler", "ParquetSink",
-    "ReplaySampler", "RollupError", "RollupResult", "Sink", "SinkConfig", "StepRecord", "Table", "fingerprint",
+    "ReplaySampler", "RollupError", "RollupResult", "Sink", "SinkConfig", "StepRecord", "Table", "attach", "detach",
+    "fingerprint",
     "instrument_distributed", "list_parts", "open_sampler", "rollup_all", "run_agent",
 ]

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rankwatch.base.schema import CollectiveStatus, Collectives, GroupKind, Table, column_names
-from rankwatch.base.topology import GroupInfo
+from rankwatch.base.schema import CollectiveStatus, Collectives, Table, column_names
+from rankwatch.base.topology import GroupInfo, group_kind, group_name
 from rankwatch.collector.device import DeviceTimer, Mark
 from rankwatch.collector.sink import Row
 
@@ -397,7 +397,9 @@ class CollectiveTracker:
             found = self._groups.get(0) or self._groups.get(id(dist.GroupMember.WORLD))
         if found is None:
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
-            found = GroupInfo(name=f"group{len(self._groups)}", kind=GroupKind.OTHER, ranks=ranks, hosts=())
+            name = group_name(str(getattr(group, "group_desc", "") or ""),
+                              str(getattr(group, "group_name", "") or len(self._groups)), ranks)
+            found = GroupInfo(name=name, kind=group_kind(name), ranks=ranks, hosts=())
             self._groups[id(group) if group is not None else 0] = found
         return found
 
@@ -437,6 +439,24 @@ class CollectiveTracker:
         o = _make(self, op, group, tensor, peer, async_op)
         o.__enter__()
         return o
+
+    def past(self, op: str, group: Any, nbytes: int, enter_mono: int, exit_mono: int) -> None:
+        """Record an operation that already happened, between two instants of this process's monotonic clock (an
+        operation torch issued inside a call that was timed as a whole: `ddp`'s DDP internals, from torch's own
+        timestamps). Never raises."""
+        try:
+            o = _make(self, op, group, None, None, False)
+            o._dev = 0
+            if o.__enter__() is None:
+                return
+            o.nbytes = nbytes
+            o.enter_mono = enter_mono
+            loose = o._loose
+            o.exit_mono = max(exit_mono, enter_mono)
+            if loose:
+                self._exit_loose(o)
+        except Exception as exc:
+            self._on_internal("collective.past", exc)
 
     def exit(self, o: _Open, error: BaseException | None = None) -> None:
         """Leave `o` (entered by `enter`), with the error it failed with, if any. Never raises."""
@@ -717,7 +737,8 @@ class CollectiveTracker:
             try:
                 if before is not None and o is not None:
                     before(o.group)
-                work = dist.all_reduce(buf, group=group, async_op=True)
+                # the unwrapped all_reduce: with `instrument_distributed` on too, the bucket is recorded once, here
+                work = getattr(dist.all_reduce, "__rankwatch_wrapped__", dist.all_reduce)(buf, group=group, async_op=True)
                 assert work is not None
                 fut = work.get_future()
             except BaseException as exc:

@@ -60,7 +60,8 @@ from rankwatch.base.schema import LIVE_VERSION, CheckpointPhase, EventKind, Live
 from rankwatch.base.topology import GroupInfo
 from rankwatch.collector.collectives import CollectiveTracker, StepRecord, _Open, _Tensor, _alloc, _make, _new
 from rankwatch.collector.device import CudaDeviceTimer, DeviceTimer, Mark
-from rankwatch.collector.fingerprint import fingerprint
+from rankwatch.collector import flight
+from rankwatch.collector.fingerprint import consistency_domain, fingerprint
 from rankwatch.collector.gpu import GpuMonitor, GpuSample, GpuSampler
 from rankwatch.collector.liveness import LivenessWriter, rank_record_path
 from rankwatch.collector.sink import ParquetSink, Row, Sink, SinkConfig
@@ -343,6 +344,9 @@ class Collector:
         self._live_exception: tuple[str, str, _Open | None] | None = None
         self._live_signal: int | None = None
         self._started_wall_ns = 0
+        self._issued_at_start: dict[str, int] = {}
+        self._counted = False
+        self._domain: tuple[str, tuple[int, ...]] | None = None
         self.tracker = CollectiveTracker(
             rank=rank,
             append=self.sink.appender(Table.COLLECTIVES),  # the tracker's own try/except catches a failing sink
@@ -362,6 +366,7 @@ class Collector:
             return self
         self._started = True
         self._started_wall_ns = _wall()
+        self._issued_at_start = flight.issued()  # torch's per-group collective counts (empty: Flight Recorder off)
         self.sink.start()
         self.event(EventKind.START, message=f"pid={os.getpid()}")
         if self.config.liveness:
@@ -410,6 +415,7 @@ class Collector:
             if self._heartbeat is not None:
                 self._heartbeat.join(timeout=2.0)
             self._settle_device()
+            self.record_collective_counts()
             self._final = True  # the last drains give up on device marks still pending
             self._report_drops()
             writer_ns = getattr(self.sink, "writer_cpu_ns", None)  # the collector's own background cost, so far
@@ -439,6 +445,22 @@ class Collector:
         deadline = _mono() + int(min(1.0, self.config.device_resolve_s) * 1e9)
         while not timer.settled() and _mono() < deadline:
             time.sleep(0.002)
+
+    def record_collective_counts(self) -> None:
+        """The collectives each of this rank's groups issued while recording, by torch's Flight Recorder count
+        (`flight`): one COLLECTIVE_COUNTS event, once, nothing when the Flight Recorder is off. At close, or before
+        the process groups are destroyed (`attach` calls it then: their counts go with them)."""
+        if not self._started or self._counted:
+            return
+        self._counted = True
+        end = flight.issued()
+        if not end:
+            return
+        start = self._issued_at_start
+        delta = {name: n - start.get(name, 0) for name, n in end.items()}
+        by_group = flight.issued_by_group(delta, self.tracker)
+        if by_group:
+            self.event(EventKind.COLLECTIVE_COUNTS, message=flight.encode_counts(by_group))
 
     @property
     def device_timer(self) -> DeviceTimer | None:
@@ -847,16 +869,22 @@ class Collector:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
-        domain: str,
-        domain_ranks: list[int] | tuple[int, ...],
+        domain: str | None = None,
+        domain_ranks: list[int] | tuple[int, ...] | None = None,
         data_position: int | None = None,
         force: bool = False,
     ) -> bool:
-        """Fingerprint after `step` when it is due (every `fingerprint_every` steps, or `force`)."""
+        """Fingerprint after `step` when it is due (every `fingerprint_every` steps, or `force`). Without a `domain`
+        the domain is the model's own (`fingerprint.consistency_domain`: every rank for plain parameters, the
+        replicas of this rank's shard for DTensor / FSDP2 ones), computed on the first fingerprint."""
         every = self.config.fingerprint_every
         if not force and (every == 0 or step % every != 0):
             return False
         try:
+            if domain is None or domain_ranks is None:
+                if self._domain is None:
+                    self._domain = consistency_domain(model, self.rank, self.world_size)
+                domain, domain_ranks = self._domain
             fp = fingerprint(model, optimizer)
             position = data_position if data_position is not None else self._data_position
             self._append(

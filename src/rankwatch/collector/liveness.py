@@ -58,7 +58,8 @@ def encode_frame(doc: Mapping[str, object], size: int = 0) -> bytes:
 
 
 def write_exit_record(run_dir: Path, *, rank: int, world_size: int, attempt: int, pid: int | None, host: str,
-                      returncode: int, wall_ns: int | None = None) -> Path:
+                      returncode: int, wall_ns: int | None = None, outside_signal: int | None = None,
+                      outside_signal_ns: int | None = None) -> Path:
     """Record that rank `rank`'s process ended with `returncode` (a `Popen`/`Process` exit status: >= 0 an exit code,
     < 0 the signal that ended it): JSON under a temporary name, renamed over the record. Raises OSError."""
     path = exit_record_path(run_dir, rank)
@@ -72,6 +73,8 @@ def write_exit_record(run_dir: Path, *, rank: int, world_size: int, attempt: int
         ExitField.WALL_NS: time.time_ns() if wall_ns is None else wall_ns,
         ExitField.EXIT_CODE: returncode if returncode >= 0 else None,
         ExitField.SIGNAL: -returncode if returncode < 0 else None,
+        ExitField.OUTSIDE_SIGNAL: outside_signal,
+        ExitField.OUTSIDE_SIGNAL_NS: outside_signal_ns,
     }
     # no fsync: a record describes a live process, read within seconds (module docstring)
     return atomic_write(path, json.dumps(doc), durable=False)

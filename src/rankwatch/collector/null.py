@@ -90,6 +90,9 @@ class NullCollector:
     def event(self, kind: EventKind, **_: Any) -> None:
         return None
 
+    def record_collective_counts(self) -> None:
+        return None
+
     def exception(self, exc: BaseException) -> None:
         return None
 

@@ -200,8 +200,12 @@ class Monitor:
         self._note("live", view.new, now)
         for inc in view.new:
             self._say(f"[live] {inc.klass} {inc.subject}: {inc.summary}")
+        withdrawn = {i.id for i in view.withdrawn}
         for inc in view.resolved:
-            self._say(f"[live] resolved: {inc.klass} {inc.subject}")
+            if inc.id in withdrawn:  # a later poll contradicts it (an earlier failure found): it was never the fault
+                self._say(f"[live] withdrawn: {inc.klass} {inc.subject}: contradicted by a later poll, not a fault")
+            else:
+                self._say(f"[live] resolved: {inc.klass} {inc.subject}")
         analyzed = False
         if time.monotonic() >= self._next_refresh:
             self._next_refresh = time.monotonic() + self.every

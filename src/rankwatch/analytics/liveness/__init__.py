@@ -26,17 +26,24 @@ Incidents (`classify`), in analytics' vocabulary (`analytics.incidents`):
    (`analytics.transport.partitioned`: a partition of that rank) is a FAIL_STOP naming it, cause NETWORK — before
    the job-wide reading below, which every rank dying at once would otherwise give.
 1. A STOPPED or LOST rank that was progressing when last heard from and did not die reacting (its exception came from
-   a collective, named a peer, or said the peer went away: "Connection closed by peer"), nor of a signal more than
-   `job_window_heartbeats` after the first such death (the stop that followed it: the launcher's or the manager's
-   SIGTERM), is a FAIL_STOP naming it. Ranks that died after it while waiting for it, or of the
-   error it caused, are survivors, not incidents. When every rank stopped within `job_window_heartbeats` of the first,
-   none reacting, it is one FAIL_STOP of the job.
+   a collective, named a peer, or is a survivor's text for a peer gone: "Connection closed by peer", NCCL's
+   "remote process exited", a watchdog's timeout — `analytics.transport.is_reaction`), nor was stopped (`_stopped`),
+   is a FAIL_STOP naming it. Stopped: asked to stop (its own SIGTERM handler's record, or the launcher's side saw an
+   outside signal reach it: `ExitRecord.outside_signal`), or ended with no word of its own after the first such
+   request (a SIGKILL at the end of the launcher's grace). torchrun's agent signals every worker still running once
+   one has failed (SIGTERM, then SIGKILL after `--shutdown-timeout`), so a request after another rank's failure is
+   a reaction to it, and so is every request of a wave reaching more than half the ranks (the job's, once every rank
+   is dead). While a rank has not been heard from since the requests began, the requested ranks are not named: it
+   may be the one whose end the launcher reacted to. Ranks that died after a culprit while waiting for it, or of the
+   error it caused, are survivors, not incidents. When every rank stopped within `job_window_heartbeats` of the
+   first, none reacting, it is one FAIL_STOP of the job.
 2. When every dead rank reacted, the rank their messages name (one that names no other) is the fail-stop: it is gone
-   before its own exit is seen.
+   before its own exit is seen. A rank NCCL prints is the reporter's own (in its group's numbering), never a peer.
 3. STUCK ranks (and dead ranks that were stuck when they died) with no fail-stop to wait on are a HANG: the ranks the
    others wait for in their collectives that wait in none themselves (the wait graph's roots), else a minority stuck
-   outside any collective while no one waits in one, else the job's (every rank stuck; the summary names the
-   collective).
+   outside any collective while no one waits in one, else, once every rank is stuck, a minority one or more
+   completed steps behind all the others (their progress stopped first; on CUDA the others wait at a sync point,
+   outside any collective), else the job's (every rank stuck; the summary names the collective).
 
 Onset steps are counted as `analytics.failstop` counts them (the culprit's last completed step + 1; for the job, the
 newest last step + 1). Ids are the same at every poll for the same fault (`_live_id`: class, subject, attempt, onset,
@@ -45,6 +52,9 @@ the part-file reading of the same fault cannot be relied on to reach the same on
 lost with it, and failstop then takes the step its peers wait in; the liveness record says the last completed step up
 to `liveness_poll_s` late), so equal ids would hold only by luck. `same_fault` says when a part-file incident is the
 fault a liveness incident already named. Evidence and summaries say they come from liveness.
+`LivenessMonitor.poll` also says which incidents of the previous poll are gone (`LivenessView.resolved`), and which of
+those were wrong (`LivenessView.withdrawn`: a fail-stop of the current attempt no longer seen — a rank that stopped does
+not come back, so a later reading contradicted it).
 
 Clocks: ages compare the monitor's `time.time_ns()` with the writer's. On one machine there is no skew. Across hosts,
 NTP keeps it to milliseconds against heartbeats of a second; `LivenessMonitor` also times each record's changes (and

@@ -4,7 +4,6 @@ that follow (`classify`; the rules are in the package docstring)."""
 from __future__ import annotations
 
 import hashlib
-import re
 import signal
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -14,12 +13,8 @@ from typing import Any
 
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.analytics.liveness.records import ExitRecord, OpenCollective, RankRecord
-from rankwatch.analytics.transport import TransportSide, partitioned, transport_side
+from rankwatch.analytics.transport import is_reaction, partitioned, peers_named
 from rankwatch.base.schema import LiveState
-
-
-_NAMED_RANK = re.compile(r"(?i)\brank\s*[=:#]?\s*(\d+)")
-"""A rank named in an error message (gloo's "(rank 11)"); the same reading as `analytics.failstop`."""
 
 
 class RankState(StrEnum):
@@ -112,21 +107,26 @@ class RankLiveness:
     last_seen_wall_ns: int | None = None
     exit_code: int | None = None
     signal: int | None = None
+    outside_signal: int | None = None
+    """Dead ranks: the first signal that reached it from outside before it ended, and when
+    (`ExitRecord.outside_signal`: the launcher's SIGTERM to its process group), where the launcher's side tells."""
+    outside_signal_wall_ns: int | None = None
     exc_type: str | None = None
     message: str | None = None
     stuck_at_end: bool = False
     """Dead ranks: it had made no progress for longer than allowed when last heard from (it was waiting)."""
     reacting: bool = False
-    """Dead ranks: its exception came from a collective or names a peer (it died of another rank's failure)."""
+    """Dead ranks: its exception came from a collective, names a peer, or is a survivor's text for a peer gone
+    (`analytics.transport.is_reaction`: NCCL's, c10d's, gloo's): it died of another rank's failure."""
     detectable_wall_ns: int | None = None
     """When its present state could first be told (exit seen, silent or idle past the threshold)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LivenessView:
-    """Every rank of the current attempt at one poll, and the incidents they make. `new` and `resolved` (set by
-    `LivenessMonitor.poll`) are the incidents first seen at this poll and those seen at the previous poll but no
-    longer."""
+    """Every rank of the current attempt at one poll, and the incidents they make. `new`, `resolved` and `withdrawn`
+    (set by `LivenessMonitor.poll`) are the incidents first seen at this poll, those seen at the previous poll but no
+    longer, and those of the latter that were wrong."""
 
     now_ns: int
     attempt: int | None
@@ -136,6 +136,11 @@ class LivenessView:
     warnings: tuple[str, ...] = ()
     new: tuple[Incident, ...] = ()
     resolved: tuple[Incident, ...] = ()
+    withdrawn: tuple[Incident, ...] = ()
+    """Of `resolved`, the fail-stops of the attempt still current. A rank that stopped does not come back within an
+    attempt, so such an incident leaving the view means a later reading contradicted it (a rank named on its
+    SIGTERM, then found silent before it was a peer's; a frozen rank that beat again): it is retracted, not
+    resolved, and nothing should act on it."""
 
     def rank(self, rank: int) -> RankLiveness | None:
         return next((r for r in self.ranks if r.rank == rank), None)
@@ -178,9 +183,8 @@ def _allowed_ns(rec: RankRecord, config: LivenessConfig) -> int:
 
 
 def _named(message: str | None, rank: int, world: int) -> set[int]:
-    if not message:
-        return set()
-    return {int(m) for m in _NAMED_RANK.findall(message) if int(m) != rank and int(m) < world}
+    """The peers `message` names (`analytics.transport.peers_named`, as `analytics.failstop` reads them)."""
+    return peers_named(message, reporter=rank, world=world)
 
 
 def _signal_name(sig: int) -> str:
@@ -212,7 +216,9 @@ def _rank_view(r: int, attempt: int, rec: RankRecord | None, ex: ExitRecord | No
         if ex is not None:
             state = RankState.FINISHED if ex.exit_code == 0 else RankState.STOPPED
             return RankLiveness(rank=r, state=state, attempt=attempt, pid=ex.pid, host=ex.host, exit_code=ex.exit_code,
-                                signal=ex.signal, last_seen_wall_ns=ex.wall_ns, detectable_wall_ns=ex.wall_ns,
+                                signal=ex.signal, outside_signal=ex.outside_signal,
+                                outside_signal_wall_ns=ex.outside_signal_wall_ns,
+                                last_seen_wall_ns=ex.wall_ns, detectable_wall_ns=ex.wall_ns,
                                 why=f"{state}: {_how_ended(None, ex)} (no liveness record)")
         grace = int(config.startup_grace_s * 1e9)
         if first_start is not None and now - first_start > grace:
@@ -248,9 +254,11 @@ def _rank_view(r: int, attempt: int, rec: RankRecord | None, ex: ExitRecord | No
         told = [t for t in (rec.wall_ns if rec.closed else None, ex.wall_ns if ex is not None else None) if t is not None]
         return RankLiveness(
             state=RankState.STOPPED, why=f"stopped: {_how_ended(rec, ex)}", exit_code=exit_code, signal=sig,
+            outside_signal=ex.outside_signal if ex is not None else None,
+            outside_signal_wall_ns=ex.outside_signal_wall_ns if ex is not None else None,
             last_seen_wall_ns=last_seen, stuck_at_end=rec.wall_ns - rec.progress_wall_ns > allowed,
             reacting=rec.exc_type is not None and (rec.collective is not None or bool(_named(rec.message, r, world))
-                                                   or transport_side(rec.message) is TransportSide.REMOTE),
+                                                   or is_reaction(rec.message)),
             detectable_wall_ns=min(told), **common)
     if silent > lost_ns:
         return RankLiveness(state=RankState.LOST, last_seen_wall_ns=rec.wall_ns,
@@ -306,7 +314,14 @@ def _incidents(views: tuple[RankLiveness, ...], attempt: int, world: int, hb: in
     if cut:
         return tuple(_failstop(by_rank[r], views, "its own connections failed, its peers saw it go", config,
                                network=True) for r in sorted(cut))
-    culprits = [v for v in dead if not v.stuck_at_end and not v.reacting]
+    stopped, told = _stopped(dead, world)
+    culprits = [v for v in dead if not v.stuck_at_end and not v.reacting and v.rank not in stopped]
+    if told and any(v.state in _ALIVE and v.last_seen_wall_ns is not None and v.last_seen_wall_ns < min(told.values())
+                    for v in views):
+        # a rank not heard from since the stop requests began may be the one whose end the launcher reacted to
+        # (it signals only the workers still running): the requested ones wait until it writes again (a live rank
+        # does within half a heartbeat) or is lost
+        culprits = [v for v in culprits if v.rank not in told]
     window = int(config.job_window_heartbeats * hb)
     first = min((v.last_seen_wall_ns for v in culprits if v.last_seen_wall_ns is not None), default=None)
     if first is not None:  # a signal well after the first death is the stop that followed it (launcher, manager)
@@ -330,6 +345,40 @@ def _incidents(views: tuple[RankLiveness, ...], attempt: int, world: int, hb: in
     if dead and not any(v.state in _ALIVE for v in views):
         return (_job_failstop(views, attempt, config),)
     return ()
+
+
+def _stopped(dead: list[RankLiveness], world: int) -> tuple[set[int], dict[int, int]]:
+    """(the dead ranks that were stopped rather than failed, {rank: when asked} for those asked to stop that may have
+    stopped first). torchrun's agent, once a worker has failed, signals the process group of every worker still running
+    with SIGTERM, waits `--shutdown-timeout` (30 s) and SIGKILLs those left (`SubprocessContext._close` and
+    `SubprocessHandler.close` under torch/distributed/elastic/multiprocessing/). A rank was asked to stop when its own
+    SIGTERM handler recorded the signal, or the launcher's side saw an outside signal reach it
+    (`ExitRecord.outside_signal`); one that ended with no word of its own after the first such request was stopped too
+    (its handler never ran: its main thread sat in a C call until the SIGKILL). A request that came after another rank
+    had failed (its exit, its silence, its own exception; or a survivor's reaction seen before any request, which shows
+    a failure came first) is the launcher's reaction to that failure. A request no failure preceded is from outside the
+    job (the scheduler, the operator): on more than half the ranks it is the job's stop and no rank's (the job's
+    incident once every rank is dead; until then the ranks it did not reach, or that were gone before it, are still to
+    be told); on fewer, each rank it reached stopped first as far as anyone can tell, and is named."""
+    def end(v: RankLiveness) -> int:
+        return v.last_seen_wall_ns if v.last_seen_wall_ns is not None else 0
+
+    asked = {v.rank: (v.outside_signal_wall_ns if v.outside_signal_wall_ns is not None else end(v))
+             for v in dead if v.outside_signal is not None or v.signal == signal.SIGTERM}
+    if not asked:
+        return set(), {}
+    first_ask = min(asked.values())
+    stopped = {v.rank for v in dead if v.rank not in asked and v.exc_type is None and end(v) >= first_ask}
+    failures = [end(v) for v in dead if v.rank not in asked and v.rank not in stopped
+                and (not v.reacting or end(v) < first_ask)]
+    if failures:
+        first = min(failures)
+        stopped |= {r for r, t in asked.items() if t > first}
+    told = {r: t for r, t in asked.items() if r not in stopped}
+    if 2 * len(told) > world:
+        stopped |= set(told)
+        told = {}
+    return stopped, told
 
 
 def _named_roots(dead: list[RankLiveness], by_rank: dict[int, RankLiveness], world: int) -> set[int]:
@@ -361,9 +410,26 @@ def _hangs(stuck: list[RankLiveness], by_rank: dict[int, RankLiveness], views: t
         return tuple(_hang(by_rank[m], views, sorted(awaited[m]), config.hang_confidence, attempt) for m in roots)
     if free and (waiting and not awaited or not waiting and 2 * len(free) < world):
         return tuple(_hang(v, views, [], config.fallback_confidence, attempt) for v in free)
+    behind = _behind(stuck, views, world)
+    if behind:
+        ahead = sorted(v.rank for v in stuck if v.rank not in behind)
+        return tuple(_hang(by_rank[m], views, ahead, config.fallback_confidence, attempt) for m in sorted(behind))
     if any(v.state is RankState.RUNNING for v in views):
         return ()  # a partial stall that is still spreading: judged once it settles
     return (_job_hang(stuck, views, attempt, config),)
+
+
+def _behind(stuck: list[RankLiveness], views: tuple[RankLiveness, ...], world: int) -> set[int]:
+    """Once every rank is stuck (or died stuck), fewer than half of them one or more completed steps behind all the
+    others: their progress stopped first, and the others went on until they waited for them (on CUDA, at a sync
+    point rather than inside a collective the record shows). As `analytics.failstop`'s position rule reads it."""
+    if len(stuck) < len(views) or any(v.last_step is None for v in views):
+        return set()
+    lo = min(v.last_step for v in views if v.last_step is not None)
+    low = {v.rank for v in views if v.last_step == lo}
+    if len(low) == len(views) or 2 * len(low) >= world:
+        return set()
+    return low
 
 
 LIVE_ID_TAG = "live"

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rankwatch.analytics.errors import RunDirError
-from rankwatch.analytics.incidents import Incident
+from rankwatch.analytics.incidents import Incident, IncidentClass
 from rankwatch.analytics.liveness.classify import LivenessConfig, LivenessView, Seen, classify
 from rankwatch.analytics.liveness.records import ExitRecord, RankRecord, TornRecord, decode_rank_record, parse_exit_record
 from rankwatch.base.rundir import LIVE_DIR
@@ -59,7 +59,8 @@ class LivenessMonitor:
         self._open.update({i.id: i for i in new})
         for i in resolved:
             del self._open[i.id]
-        return replace(view, new=new, resolved=resolved)
+        withdrawn = tuple(i for i in resolved if i.klass is IncidentClass.FAIL_STOP and i.attempt == view.attempt)
+        return replace(view, new=new, resolved=resolved, withdrawn=withdrawn)
 
     def _since(self, rank: int, what: str, value: tuple[int | None, int, int | None], now: int) -> int:
         key = (rank, what)

@@ -78,6 +78,12 @@ class ExitRecord:
     wall_ns: int
     exit_code: int | None
     signal: int | None
+    outside_signal: int | None = None
+    """The first signal that reached the rank from outside before it ended (the launcher's SIGTERM, then SIGKILL, to
+    its process group), as `rankwatch torchrun`'s host agent saw it; None when none did, or the launcher's side does
+    not tell (`schema.ExitField.OUTSIDE_SIGNAL`)."""
+    outside_signal_wall_ns: int | None = None
+    """When that signal arrived (wall clock)."""
 
 
 class TornRecord(Exception):
@@ -174,4 +180,6 @@ def parse_exit_record(d: Mapping[str, Any], where: str = "exit record") -> ExitR
         wall_ns=_field(d, ExitField.WALL_NS, int, where, required=True),
         exit_code=_field(d, ExitField.EXIT_CODE, int, where),
         signal=_field(d, ExitField.SIGNAL, int, where),
+        outside_signal=_field(d, ExitField.OUTSIDE_SIGNAL, int, where),
+        outside_signal_wall_ns=_field(d, ExitField.OUTSIDE_SIGNAL_NS, int, where),
     )

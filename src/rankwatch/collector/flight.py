@@ -1,0 +1,128 @@
+"""How many collectives each process group issued, by torch's own count: the Flight Recorder's process-group status.
+
+With the Flight Recorder on (``TORCH_FR_BUFFER_SIZE`` > 0; `rankwatch torchrun` sets it), torch keeps per process
+group the sequence number of the last collective enqueued (``pg_status[<group name>].last_enqueued_collective`` in
+the JSON dump, format 2.10: ``torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives, onlyActive)``; the
+same counter the group's collectives carry as ``collective_seq_id``; point-to-point operations are counted apart and
+not here). The dump is read as JSON (never pickle), twice a run: at start and before the groups are destroyed.
+
+The collector takes the counts when it starts and when it closes, and records the difference per group, under the
+group names its own rows use, in one `EventKind.COLLECTIVE_COUNTS` event: what `analytics` compares the collectives
+table against, to say when the table is partial (collectives issued that nothing recorded: a C++ caller such as DDP's
+construction-time broadcasts, a framework path not instrumented). Without the Flight Recorder there is no count and
+no event.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FR_BUFFER_ENV", "Entry", "encode_counts", "entries", "issued", "issued_by_group"]
+
+FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+"""torch's switch for the Flight Recorder (torch/csrc/distributed/c10d/FlightRecorder.hpp): entries kept per rank."""
+
+
+def issued() -> dict[str, int]:
+    """Collectives enqueued so far per process group, by c10d group name; empty when the Flight Recorder is off or
+    this torch has none. Never raises.
+
+    ``pg_status`` is keyed by the group's id in this process (its ``pg_id``, the order this rank's groups were
+    created in), not by its name; the entries carry both (``pg_id`` and ``process_group`` = [name, description]),
+    so the ids are named from the entries still in the ring buffer. A group none of whose entries is left there
+    gets no count (nothing is compared for it, rather than a wrong number)."""
+    try:
+        import torch
+
+        dump = json.loads(getattr(torch._C._distributed_c10d, "_dump_fr_trace_json")(True, False))
+        names: dict[str, str] = {}
+        for e in dump.get("entries") or ():
+            pg = e.get("process_group") or ()
+            if pg and "pg_id" in e:
+                names[str(e["pg_id"])] = str(pg[0])
+        out: dict[str, int] = {}
+        for pg_id, s in (dump.get("pg_status") or {}).items():
+            n = int(s.get("last_enqueued_collective", -1))
+            name = names.get(str(pg_id))
+            if n >= 0 and name is not None:
+                out[name] = n
+        return out
+    except Exception:
+        return {}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Entry:
+    """One collective as the Flight Recorder holds it."""
+
+    seq: int
+    """Its ``collective_seq_id`` in its group."""
+    op: str
+    """Its ``profiling_name`` without the backend ("gloo:broadcast" -> "broadcast")."""
+    created_ns: int
+    """``time_created_ns``: when it was enqueued (wall clock; c10d's getTime)."""
+    nbytes: int
+    """Input bytes (element count of ``input_sizes`` times the size of each ``input_dtypes`` entry)."""
+
+
+_DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
+                "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16}
+"""Sizes of the dtype names in ``input_dtypes`` (c10's ScalarType names); others count as 1 byte an element."""
+
+
+def entries(group_name: str, first_seq: int, last_seq: int) -> list[Entry]:
+    """The collectives of group `group_name` with sequence numbers first_seq..last_seq still in the Flight Recorder,
+    in order; empty when it is off. Reads the whole ring buffer: for rare calls (DDP's set-up broadcasts), never per
+    collective. Never raises."""
+    if last_seq < first_seq:
+        return []
+    try:
+        import torch
+
+        dump = json.loads(getattr(torch._C._distributed_c10d, "_dump_fr_trace_json")(True, False))
+        out = []
+        for e in dump.get("entries") or ():
+            pg = e.get("process_group") or ["", ""]
+            seq = int(e.get("collective_seq_id", -1))
+            if str(pg[0]) != group_name or e.get("is_p2p") or not first_seq <= seq <= last_seq:
+                continue
+            nbytes = 0
+            for size, dtype in zip(e.get("input_sizes") or (), e.get("input_dtypes") or ()):
+                n = 1
+                for d in size:
+                    n *= int(d)
+                nbytes += n * _DTYPE_BYTES.get(str(dtype), 1)
+            out.append(Entry(seq=seq, op=str(e.get("profiling_name", "?")).split(":", 1)[-1],
+                             created_ns=int(e.get("time_created_ns", 0)), nbytes=nbytes))
+        return sorted(out, key=lambda x: x.seq)
+    except Exception:
+        return []
+
+
+def issued_by_group(counts: dict[str, int], tracker: Any) -> dict[str, int]:
+    """`counts` (by c10d group name) under the names the tracker's rows use (`CollectiveTracker.info`), for the groups
+    this rank belongs to."""
+    try:
+        from torch.distributed.distributed_c10d import _world
+
+        names = dict(_world.pg_names)
+    except Exception:
+        return {}
+    out: dict[str, int] = {}
+    for pg, c10d_name in names.items():
+        n = counts.get(str(c10d_name))
+        if n is None:
+            continue
+        try:
+            info = tracker.info(pg)
+        except Exception:  # a group this rank is not in
+            continue
+        out[info.name] = out.get(info.name, 0) + n
+    return out
+
+
+def encode_counts(counts: dict[str, int]) -> str:
+    """The event message: a JSON object group -> collectives issued while recording, sorted by group."""
+    return json.dumps(dict(sorted(counts.items())), separators=(",", ":"))

@@ -1,0 +1,241 @@
+"""The examples under examples/ as a user runs them: `rankwatch torchrun --standalone --nproc-per-node 4`, 4 gloo ranks
+on CPU with torch's Flight Recorder on, then `analyze`.
+
+Faults come from the outside (signals to a rank's pid, read from its liveness record) or from the examples' own
+environment hooks (examples/_faults.py). A clean run of each example must give no incident and a collectives table
+that holds every collective torch counted; each fault must give its class on its rank and nothing on the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rankwatch.analytics.analyze import Analysis, analyze
+from rankwatch.analytics.incidents import Incident, IncidentClass, SubjectKind
+from rankwatch.analytics.liveness.records import RankRecord, TornRecord, decode_rank_record
+from rankwatch.collector.liveness import rank_record_path
+
+from support import rows
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = ("ddp_gpt", "fsdp2_transformer", "fsdp_tp_2d")
+WORLD = 4
+FAULT_VARS = ("FAULT_SLEEP_RANK", "FAULT_SLEEP_MS", "FAULT_RAISE_RANK", "FAULT_RAISE_STEP", "FAULT_RNG_SKEW_RANK",
+              "FAULT_RNG_SKEW_STEP")
+
+
+@dataclass
+class Job:
+    run_dir: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def wait(self, timeout_s: float = 150.0) -> int:
+        """The job's exit status (torchrun's); the whole job killed, and the test failed, past `timeout_s`."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.run_dir}: job still running after {timeout_s} s\n{self.tail()}") from None
+
+    def kill(self) -> None:
+        """End torchrun and its workers (the session this test started), if still running."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def start(tmp: Path, example: str, *args: str, steps: int, env: Mapping[str, str] | None = None) -> Job:
+    run_dir = tmp / "run"
+    tmp.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if k not in FAULT_VARS}
+    full_env = {**base, "TORCH_FR_BUFFER_SIZE": "2000", "OMP_NUM_THREADS": "1", **(env or {})}
+    log = tmp / "job.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rankwatch.cli", "torchrun", "--run-dir", str(run_dir), "--standalone",
+             "--nproc-per-node", str(WORLD), str(EXAMPLES_DIR / f"{example}.py"), "--steps", str(steps), *args],
+            env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return Job(run_dir=run_dir, proc=proc, log=log)
+
+
+@contextmanager
+def running(tmp: Path, example: str, *args: str, steps: int, env: Mapping[str, str] | None = None) -> Iterator[Job]:
+    """A started job, killed if the block fails before it ends."""
+    job = start(tmp, example, *args, steps=steps, env=env)
+    try:
+        yield job
+    except BaseException:
+        job.kill()
+        raise
+
+
+def run_ok(tmp: Path, example: str, *args: str, steps: int, env: Mapping[str, str] | None = None) -> Path:
+    job = start(tmp, example, *args, steps=steps, env=env)
+    assert job.wait() == 0, job.tail()
+    return job.run_dir
+
+
+def live_record(run_dir: Path, rank: int, *, min_step: int = -1, timeout_s: float = 90.0) -> RankRecord:
+    """`rank`'s liveness record once it says a step >= `min_step` completed (a torn read is read again)."""
+    path = rank_record_path(run_dir, rank)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            record = decode_rank_record(path.read_bytes(), str(path))
+        except (FileNotFoundError, TornRecord):
+            pass
+        else:
+            if record.pid is not None and (record.last_step if record.last_step is not None else -1) >= min_step:
+                return record
+        time.sleep(0.05)
+    raise AssertionError(f"{path}: no record of step >= {min_step} within {timeout_s} s")
+
+
+def described(incidents: tuple[Incident, ...]) -> list[tuple[str, str, tuple[int, ...], str, int | None]]:
+    return [(str(i.klass), str(i.subject), i.ranks, str(i.cause), i.onset_step) for i in incidents]
+
+
+def only(analysis: Analysis, klass: IncidentClass, rank: int) -> Incident:
+    """The analysis's one incident: of `klass`, about `rank` alone."""
+    got = described(analysis.incidents)
+    assert [(i.klass, i.subject.kind, i.subject.id, i.ranks) for i in analysis.incidents] == [
+        (klass, SubjectKind.RANK, str(rank), (rank,))], got
+    return analysis.incidents[0]
+
+
+# -- clean runs -----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=EXAMPLES)
+def clean_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    example: str = request.param
+    yield run_ok(tmp_path_factory.mktemp(f"clean-{example}"), example, steps=60)
+
+
+def test_clean_run_has_no_incident(clean_run: Path) -> None:
+    analysis = analyze(clean_run)
+    assert analysis.incidents == (), described(analysis.incidents)
+    assert [w for w in analysis.warnings if w.startswith("collectives:")] == []
+    assert rows(clean_run, "SELECT count(DISTINCT rank) FROM steps") == [(WORLD,)]
+
+
+def test_collectives_table_matches_the_flight_recorder(clean_run: Path) -> None:
+    """Per rank and group, the distinct operations recorded equal torch's count of the collectives issued."""
+    counted: dict[tuple[int, str], int] = {}
+    events = rows(clean_run, "SELECT rank, message FROM events WHERE kind = 'collective_counts'")
+    assert sorted(r for r, _ in events) == list(range(WORLD)), events
+    for rank, message in events:
+        for group, n in json.loads(message).items():
+            counted[(rank, group)] = n
+    recorded = {(r, g): n for r, g, n in rows(
+        clean_run, "SELECT rank, \"group\", count(DISTINCT group_seq) FROM collectives "
+                   "WHERE op NOT IN ('send', 'recv') GROUP BY ALL")}
+    assert recorded == counted
+
+
+# -- stragglers -----------------------------------------------------------------------------------------------------
+
+_TP_WAITS = pytest.mark.xfail(strict=True, reason=(
+    "issue 29, open: the tensor-parallel peers' waits in DTensor's functional all-reduces are async operations, and "
+    "StepRecord.waits() counts only an async operation's last window as waiting, so they read as compute (ranks 0-3 "
+    "compute 110/116/111/85 ms with rank 1 sleeping 30 ms): nothing stands out"))
+
+
+@pytest.mark.parametrize("example", [e if e != "fsdp_tp_2d" else pytest.param(e, marks=_TP_WAITS) for e in EXAMPLES])
+def test_slow_rank_is_a_straggler(tmp_path: Path, example: str) -> None:
+    run_dir = run_ok(tmp_path, example, steps=80, env={"FAULT_SLEEP_RANK": "1", "FAULT_SLEEP_MS": "30"})
+    only(analyze(run_dir), IncidentClass.STRAGGLER, 1)
+
+
+def test_sigstop_duty_cycle_is_a_straggler(tmp_path: Path) -> None:
+    """An outside tool freezes rank 1 for 40 ms of every 100 ms (SIGSTOP / SIGCONT to its pid) from step 15 on.
+
+    Only a freeze that falls in the rank's own work shows: one that falls in a collective holds every rank there
+    alike. So the model is made larger than the default, for the rank's own work to fill most of a step."""
+    with running(tmp_path, "ddp_gpt", "--d-model", "64", "--seq-len", "32", steps=150) as job:
+        pid = live_record(job.run_dir, 1, min_step=15).pid
+        assert pid is not None
+        code = _duty_cycle(pid, job)
+    assert code == 0, job.tail()
+    only(analyze(job.run_dir), IncidentClass.STRAGGLER, 1)
+
+
+def _duty_cycle(pid: int, job: Job) -> int:
+    """SIGSTOP `pid` for 40 ms of every 100 ms until `job` ends; its exit status."""
+    done = threading.Event()
+
+    def duty_cycle() -> None:
+        try:
+            while not done.is_set():
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.04)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(0.06)
+        except ProcessLookupError:
+            pass
+
+    thread = threading.Thread(target=duty_cycle, daemon=True)
+    thread.start()
+    try:
+        return job.wait()
+    finally:
+        done.set()
+        thread.join(5)
+
+
+# -- failures -------------------------------------------------------------------------------------------------------
+
+def test_sigkill_is_a_fail_stop_of_that_rank_only(tmp_path: Path) -> None:
+    """Rank 2 is SIGKILLed from outside after 20 steps; torchrun then SIGTERMs the survivors, who are not blamed."""
+    with running(tmp_path, "ddp_gpt", steps=2000) as job:
+        pid = live_record(job.run_dir, 2, min_step=20).pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        assert job.wait() != 0, job.tail()
+    exit_record = json.loads((job.run_dir / "live" / "exit-2.json").read_text())
+    assert exit_record.get("signal") == signal.SIGKILL, exit_record
+    only(analyze(job.run_dir), IncidentClass.FAIL_STOP, 2)
+
+
+def test_exception_is_recorded_and_named(tmp_path: Path) -> None:
+    job = start(tmp_path, "ddp_gpt", steps=60, env={"FAULT_RAISE_RANK": "1", "FAULT_RAISE_STEP": "20"})
+    assert job.wait() != 0, job.tail()
+    assert rows(job.run_dir, "SELECT rank, exc_type, message FROM events WHERE kind = 'exception' AND rank = 1") == [
+        (1, "RuntimeError", "injected fault on rank 1 at step 20")]
+    incident = only(analyze(job.run_dir), IncidentClass.FAIL_STOP, 1)
+    assert incident.onset_step == 20
+
+
+# -- divergence -----------------------------------------------------------------------------------------------------
+
+def test_per_rank_seed_is_not_divergence(tmp_path: Path) -> None:
+    run_dir = run_ok(tmp_path, "ddp_gpt", "--per-rank-seed", steps=60)
+    analysis = analyze(run_dir)
+    assert [i for i in analysis.incidents if i.klass in (IncidentClass.DIVERGENCE, IncidentClass.CORRUPTION)] == [], \
+        described(analysis.incidents)
+    assert rows(run_dir, "SELECT count(DISTINCT step) FROM fingerprints") == [(6,)]
+
+
+def test_rng_skew_is_divergence_of_that_rank(tmp_path: Path) -> None:
+    """DDP replicas seeded alike; rank 2 draws one extra random number at step 25. Its parameters stay equal to its
+    peers' (gradients are averaged); its RNG stream does not, from the fingerprint at step 30 on."""
+    run_dir = run_ok(tmp_path, "ddp_gpt", steps=60, env={"FAULT_RNG_SKEW_RANK": "2", "FAULT_RNG_SKEW_STEP": "25"})
+    incident = only(analyze(run_dir), IncidentClass.DIVERGENCE, 2)
+    assert "rng_torch" in incident.fields and incident.onset_step == 30, described((incident,))
