@@ -216,7 +216,8 @@ def attach(run_dir: str | Path | None = None, *, mesh: Any = None, config: Colle
     if dist.is_initialized() and dist.get_world_size() != me.world_size:
         raise ValueError(f"rankwatch.attach: the launcher says WORLD_SIZE {me.world_size} but the default process "
                          f"group has {dist.get_world_size()} ranks")
-    cfg = replace(config, run_dir=Path(where)) if config is not None else CollectorConfig(run_dir=Path(where))
+    cfg = replace(config if config is not None else CollectorConfig(run_dir=Path(where)), run_dir=Path(where),
+                  count_collectives=instrument)
     host = socket.gethostname()
     collector = Collector(cfg, rank=me.rank, world_size=me.world_size, host=host, local_rank=me.local_rank,
                           attempt=me.attempt).start()

@@ -124,6 +124,11 @@ class CollectorConfig:
     """Seconds between the liveness thread's looks at the last completed step: the record says a step completed at
     most this long after it did (one write per look at most; at least two per heartbeat interval while no step
     completes)."""
+    count_collectives: bool = False
+    """At close (or before the process groups are destroyed), record torch's own per-group count of the collectives
+    issued while recording (the Flight Recorder's, when it is on: `flight`), for `analytics.coverage` to check the
+    collectives table against. On where every collective is recorded (`attach` sets it); a job that times only
+    the collectives it chooses (the canary's steps) would be reported short by design."""
 
     def __post_init__(self) -> None:
         for name in ("flush_interval_s", "heartbeat_interval_s", "gpu_interval_s", "liveness_poll_s"):
@@ -366,7 +371,8 @@ class Collector:
             return self
         self._started = True
         self._started_wall_ns = _wall()
-        self._issued_at_start = flight.issued()  # torch's per-group collective counts (empty: Flight Recorder off)
+        # torch's per-group collective counts (empty: Flight Recorder off, or not asked for)
+        self._issued_at_start = flight.issued() if self.config.count_collectives else {}
         self.sink.start()
         self.event(EventKind.START, message=f"pid={os.getpid()}")
         if self.config.liveness:
@@ -450,7 +456,7 @@ class Collector:
         """The collectives each of this rank's groups issued while recording, by torch's Flight Recorder count
         (`flight`): one COLLECTIVE_COUNTS event, once, nothing when the Flight Recorder is off. At close, or before
         the process groups are destroyed (`attach` calls it then: their counts go with them)."""
-        if not self._started or self._counted:
+        if not self._started or self._counted or not self.config.count_collectives:
             return
         self._counted = True
         end = flight.issued()
