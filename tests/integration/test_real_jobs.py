@@ -152,13 +152,7 @@ def test_collectives_table_matches_the_flight_recorder(clean_run: Path) -> None:
 
 # -- stragglers -----------------------------------------------------------------------------------------------------
 
-_TP_WAITS = pytest.mark.xfail(strict=True, reason=(
-    "issue 29, open: the tensor-parallel peers' waits in DTensor's functional all-reduces are async operations, and "
-    "StepRecord.waits() counts only an async operation's last window as waiting, so they read as compute (ranks 0-3 "
-    "compute 110/116/111/85 ms with rank 1 sleeping 30 ms): nothing stands out"))
-
-
-@pytest.mark.parametrize("example", [e if e != "fsdp_tp_2d" else pytest.param(e, marks=_TP_WAITS) for e in EXAMPLES])
+@pytest.mark.parametrize("example", EXAMPLES)
 def test_slow_rank_is_a_straggler(tmp_path: Path, example: str) -> None:
     run_dir = run_ok(tmp_path, example, steps=80, env={"FAULT_SLEEP_RANK": "1", "FAULT_SLEEP_MS": "30"})
     only(analyze(run_dir), IncidentClass.STRAGGLER, 1)

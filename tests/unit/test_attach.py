@@ -162,3 +162,24 @@ def test_no_run_directory_is_an_error_at_set_up(world: Path) -> None:
         attach(env={"RANK": "0", "WORLD_SIZE": "1"})
     with pytest.raises(ValueError, match="WORLD_SIZE 4 but the default process group has 1"):
         attach(world, env={"RANK": "0", "WORLD_SIZE": "4"})
+
+
+def test_a_functional_collective_waits_only_from_its_wait(world: Path) -> None:
+    """DTensor's collectives return at once and are waited on when their output is used: the rank's own work between
+    the call and the use is compute, not waiting (tensor-parallel peers of a slow rank wait in the wait only)."""
+    import time
+
+    from torch.distributed import _functional_collectives as funcol
+
+    from rankwatch.collector.attach import attach, detach
+
+    rw = attach(world, env={"RANK": "0", "WORLD_SIZE": "1"})
+    with rw.step(0):
+        out = funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD)
+        time.sleep(0.08)  # the rank's own work before it uses the output
+        assert float(out.sum()) == 4.0
+    detach()
+    steps = _rows(world, "steps")
+    wait_ms = steps["collective_wait_ns"].item() / 1e6
+    compute_ms = steps["compute_ns"].item() / 1e6
+    assert wait_ms < 20 and compute_ms >= 75, (wait_ms, compute_ms)

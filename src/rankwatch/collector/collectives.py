@@ -87,8 +87,11 @@ class StepRecord:
     def waits(self) -> int:
         """ns the step spent waiting in collectives, from its exited collectives.
 
-        Blocking collectives count whole. Asynchronous ones (DDP buckets) count from the last one issued to the
-        last one done, less the time the training thread spent blocked in other collectives meanwhile."""
+        Blocking collectives count whole. An asynchronous one whose wait was seen (a functional collective:
+        `_Open.wait_mono`) counts from that wait to its end: the training thread was blocked there, and the time
+        between the call and the wait was its own work. The others (DDP buckets, whose wait torch does inside the
+        backward pass) count from the last one issued to the last one done, less the time the training thread spent
+        blocked in other collectives meanwhile."""
         blocked = 0
         lo = hi = 0
         spans: list[tuple[int, int]] = []
@@ -97,6 +100,13 @@ class StepRecord:
             if end is None:
                 continue
             if o.async_op:
+                began = o.wait_mono
+                if began is not None:
+                    began = began if began > o.enter_mono else o.enter_mono
+                    if end > began:
+                        blocked += end - began
+                        spans.append((began, end))
+                    continue
                 lo = o.enter_mono if o.enter_mono > lo else lo
                 hi = end if end > hi else hi
             else:
@@ -168,7 +178,7 @@ class _Open:
 
     __slots__ = (
         "_tracker", "op", "_group_obj", "nbytes", "dtype", "peer", "async_op", "group", "group_seq", "seq",
-        "record", "enter_mono", "exit_mono", "wall_offset", "_dev", "dev_start", "dev_end", "dev_ns", "dev_at",
+        "record", "enter_mono", "exit_mono", "wait_mono", "wall_offset", "_dev", "dev_start", "dev_end", "dev_ns", "dev_at",
         "_failed", "_loose",
     )
     # set when taken from the pool (`_take`, or inline in `Collector.collective`); `_tracker` once, when allocated
@@ -194,6 +204,9 @@ class _Open:
     """Unset until entered (deleted again when the record goes back to the pool)."""
     exit_mono: int | None
     """None until it exits."""
+    wait_mono: int | None
+    """When the training thread began to block on an asynchronous operation's result (a functional collective's
+    `wait_tensor`: collector/funcol.py); None where that is not seen (DDP buckets, blocking operations)."""
     # set on the uncommon paths
     wall_offset: int
     """wall - monotonic clock at entry, for operations outside a step."""
@@ -285,7 +298,7 @@ def _new(tracker: CollectiveTracker) -> _Open:
     """A record for the pool (built without an `__init__` call)."""
     o: _Open = _alloc(_Open)
     o._tracker = tracker
-    o.record = o.exit_mono = None
+    o.record = o.exit_mono = o.wait_mono = None
     o._dev = 0
     o._failed = o._loose = False
     return o
@@ -582,7 +595,7 @@ class CollectiveTracker:
                     o.dev_start = o.dev_end = None
                 if o._loose or o._failed or room <= 0 or not hasattr(o, "enter_mono"):
                     continue
-                o.record = o._group_obj = o.exit_mono = None  # no step (its tensors) or group kept alive by the pool
+                o.record = o._group_obj = o.exit_mono = o.wait_mono = None  # no step (its tensors) or group kept alive by the pool
                 o._dev = 0
                 del o.enter_mono  # "not entered" again, for the writer and snapshots
                 pool.append(o)

@@ -11,14 +11,16 @@ while its peers look slow.
 While attached, each of those functions is wrapped: the operation is entered at the call (as an async operation of
 its process group) and left when its output is waited on — `wait_tensor` of a tensor sharing the output's storage
 (a view of it, as AsyncCollectiveTensor's view handling makes) — or, when the output is never waited on through the
-module (a traced graph's own wait), when the output is freed. A call made inside another wrapped call
-(``all_gather_tensor`` calls ``all_gather_single``) is recorded once, as the outer one.
+module (a traced graph's own wait), when the output is freed. The wait's start is noted too: the time between the
+call and the wait is the rank's own work, the wait is waiting (`StepRecord.waits`). A call made inside another
+wrapped call (``all_gather_tensor`` calls ``all_gather_single``) is recorded once, as the outer one.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -79,6 +81,13 @@ class _Pending:
         if previous is not None:  # the storage was reused: the earlier output is gone
             self.tracker.exit(previous)
         weakref.finalize(output, self.leave, key, o)
+
+    def waiting(self, key: int) -> None:
+        """The training thread begins to wait for the operation whose output has storage `key` (if one is open):
+        its wait is counted from here (`StepRecord.waits`)."""
+        o = self.open.get(key)
+        if o is not None and o.wait_mono is None:
+            o.wait_mono = time.monotonic_ns()
 
     def leave(self, key: int, o: Any | None = None) -> None:
         with self.lock:
@@ -178,11 +187,12 @@ def instrument_funcol(collector: Any) -> Callable[[], None]:
 
         @functools.wraps(wait)
         def wait_tensor(tensor: Any) -> Any:
+            key = _storage_key(tensor) if pending.open else None
+            if key is not None:
+                pending.waiting(key)
             out = wait(tensor)
-            if pending.open:
-                key = _storage_key(tensor)
-                if key is not None:
-                    pending.leave(key)
+            if key is not None:
+                pending.leave(key)
             return out
 
         wait_tensor.__rankwatch_wrapped__ = wait  # type: ignore[attr-defined]
