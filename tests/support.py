@@ -74,3 +74,26 @@ def make_checkpoint(run_dir: Path, step: int, *, layout: Layout = LAYOUT, tmp: b
                         files=tuple(files), created_wall_ns=1)
     (path / MANIFEST).write_text(manifest.to_json())
     return path
+
+
+def benchmark_table(script: str, *args: str, timeout_s: float) -> list[str]:
+    """The figure table a benchmarks/ script prints (its "| ..." lines), run with `args`; the run must succeed."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / script), *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert table and table[0] == "| figure | value |", done.stdout[-2000:]
+    return table
+
+
+def assert_rows(table: list[str], names: tuple[str, ...]) -> None:
+    """Every figure in `names` has a row in `table`, and the collector counted no internal error."""
+    for name in names:
+        assert any(line.startswith(f"| {name}") for line in table), f"no row {name!r} in:\n" + "\n".join(table)
+    errors = next(line for line in table if line.startswith("| collector internal errors"))
+    assert errors.endswith("| 0 |"), errors
+

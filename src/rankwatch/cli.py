@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from rankwatch.canary.config import CanaryConfig
 
 DEMO_RUN_DIR = Path("runs/demo")
+RUN_DIR_HELP = "a run directory (what `train --run-dir` or `rankwatch torchrun --run-dir` writes)"
 
 
 def _job_args(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -28,14 +29,14 @@ def _job_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--run-dir", type=Path, required=True, help="where telemetry and checkpoints go")
     p.add_argument("--layout", default="", help="dp=N,tp=N,pp=N (product = --nproc; dp defaults to the rest)")
     p.add_argument("--hosts", type=int, default=1, help="virtual hosts the ranks are spread over")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model, data and faults")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC", help=f"inject a fault: {FAULT_HELP}")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps")
     p.add_argument("--gpu", default="auto", help="GPU sampler: auto | nvml | replay | off")
     p.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, seconds")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (part of the numerics)")
     p.add_argument("--fingerprint-every", type=int, default=50, help="fingerprint the training state every N steps")
-    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--global-batch", type=int, default=32, help="samples per step across all data-parallel replicas")
     p.add_argument("--no-collector", action="store_true", help="train without telemetry (overhead baseline)")
     p.add_argument("--timeout", type=float, default=None, help="terminate the job after this many seconds")
     p.add_argument("--resume", action="store_true",
@@ -295,10 +296,15 @@ def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = N
     took = sum(s for _, s in analysis.seconds)
     print(f"rankwatch analyze: {run_dir}: {analysis.ranks} ranks, {_steps_text(analysis)}, "
           f"{len(analysis.incidents)} incident(s) in {took:.1f}s")
-    print(render_incidents(analysis.incidents))
+    print(render_incidents(analysis.incidents, width=terminal_width()))
     if saved is not None:
         print(f"written: {saved[0]} and {saved[1].name}")
     return 0
+
+
+def terminal_width() -> int:
+    """Columns to fit tables to: the terminal's, or $COLUMNS, else 120 (output to a file or a pipe)."""
+    return shutil.get_terminal_size((120, 24)).columns
 
 
 def _steps_text(analysis: Analysis) -> str:
@@ -481,7 +487,7 @@ def _rollup_parser(sub: argparse._SubParsersAction) -> None:
     from rankwatch.collector.rollup import DEFAULT_KEEP_S
 
     p = sub.add_parser("rollup", help="host agent: merge each host's new rank part files into one part per table")
-    p.add_argument("run_dir", type=Path)
+    p.add_argument("run_dir", type=Path, help=RUN_DIR_HELP)
     p.add_argument("--host", action="append", default=[], metavar="H", help="roll up this host's ranks (repeatable)")
     p.add_argument("--all", action="store_true", help="every host in the run's topology")
     p.add_argument("--interval", type=float, default=30.0, metavar="SECONDS", help="seconds between rounds")
@@ -526,7 +532,8 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--secret-file", type=Path, required=True, help="the webhook secret (one line, whsec_...)")
     sv.add_argument("--token-file", type=Path, default=None,
                     help="bearer token an Alertmanager sends to /alertmanager (without it that path refuses all)")
-    sv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    sv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                    help="the service's log lines at this level and above")
 
 
 def _manager(args: argparse.Namespace) -> int:
@@ -608,25 +615,78 @@ def _torchrun(argv: Sequence[str]) -> int:
     return 0  # not reached: torchrun replaced this process
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    raw = list(sys.argv[1:] if argv is None else argv)
-    if raw[:1] == ["torchrun"]:
-        return _torchrun(raw[1:])
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help with every flag's default shown (argparse's ArgumentDefaultsHelpFormatter), none for a flag without one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+_READS_RUNS = frozenset({"telemetry", "analyze", "checkpoints", "evidence", "recover", "lineage", "rollup",
+                         "dashboard", "postmortem", "localize"})
+"""Commands whose runs must exist and be runs."""
+
+ALIASES = {"analyse": "analyze"}
+"""Other spellings a command answers to (the dashboard's "analyse" button says it that way)."""
+
+
+def _finish(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every subcommand's own help opens with the line its parent lists it with, and shows its flags' defaults."""
+    parser.formatter_class = _Formatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            listed = {a.dest: a.help for a in action._choices_actions}
+            for name, child in action.choices.items():
+                if not child.description and listed.get(name):
+                    child.description = listed[name]
+                _finish(child)
+    return parser
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
+def _unknown_command(parser: argparse.ArgumentParser, raw: list[str]) -> str | None:
+    """One line for a first word that is no command (with the nearest one, if any is near), before argparse's."""
+    import difflib
+
+    if not raw or raw[0].startswith("-"):
+        return None
+    names = _commands(parser)
+    if raw[0] in names:
+        return None
+    near = difflib.get_close_matches(raw[0], names, n=1, cutoff=0.6)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    return f"rankwatch: error: unknown command '{raw[0]}'{hint}; `rankwatch --help` lists them"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (`main` parses with it; tests walk it)."""
+    from rankwatch import __version__
+
     parser = argparse.ArgumentParser(prog="rankwatch", description="telemetry and straggler detection for distributed PyTorch")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"rankwatch {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _train_parser(sub)
     sub.add_parser("torchrun", help="torchrun with rankwatch beside every rank: rankwatch torchrun [--run-dir DIR] "
                                     "[torchrun options] SCRIPT [args]", add_help=False)
     d = sub.add_parser("demo", help="run the canary on 8 ranks with a slow rank and a throttled GPU")
-    d.add_argument("--steps", type=int, default=300)
-    d.add_argument("--run-dir", type=Path, default=DEMO_RUN_DIR)
+    d.add_argument("--steps", type=int, default=300, help="training steps")
+    d.add_argument("--run-dir", type=Path, default=DEMO_RUN_DIR, help="where the demo's run is written")
     d.add_argument("--drill-dir", type=Path, default=Path("runs/demo-drill"),
                    help="where the closing kill drill runs (its reference run, the drill's run, report.json)")
     d.add_argument("--no-drill", dest="drill", action="store_false", help="skip the closing kill drill")
     t = sub.add_parser("telemetry", help="what a run's telemetry holds (rows per table)")
-    t.add_argument("run_dir", type=Path)
-    a = sub.add_parser("analyze", help="find stragglers, fail-stops, hangs, divergence and corruption in a run")
-    a.add_argument("run_dir", type=Path)
+    t.add_argument("run_dir", type=Path, help=RUN_DIR_HELP)
+    a = sub.add_parser("analyze", aliases=["analyse"],
+                       help="find stragglers, fail-stops, hangs, divergence and corruption in a run")
+    a.add_argument("run_dir", type=Path, help=RUN_DIR_HELP)
     a.add_argument("--json", action="store_true", help="print the incidents as JSON instead of a table")
     a.add_argument("--window", type=int, default=None, metavar="STEPS", help="analyze only the latest STEPS steps")
     a.add_argument("--no-anomaly", action="store_true", help="skip the anomaly model")
@@ -635,29 +695,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="read timing from the CPU or the device (CUDA event) columns; auto: the device's where every "
                         "rank has them")
     sim = sub.add_parser("simulate", help="write synthetic telemetry at scale with ground-truth labels")
-    sim.add_argument("--ranks", type=int, required=True)
-    sim.add_argument("--hosts", type=int, required=True)
+    sim.add_argument("--ranks", type=int, required=True, help="ranks of the simulated job")
+    sim.add_argument("--hosts", type=int, required=True, help="hosts the ranks are spread over")
     sim.add_argument("--layout", default="", help="dp=N,tp=N,pp=N (product = --ranks)")
-    sim.add_argument("--steps", type=int, required=True)
-    sim.add_argument("--out", type=Path, required=True)
+    sim.add_argument("--steps", type=int, required=True, help="training steps")
+    sim.add_argument("--out", type=Path, required=True, help="the run directory to write")
     sim.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help="e.g. straggler:rank=5,from=100,slow=0.1 (kinds: straggler, host_dataloader, slow_link, "
                           "stage_imbalance, data_skew, fail_stop, hang, divergence, corruption, slow_hardware, "
                           "throttle_bit_only, steady_counters)")
-    sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--name", default="sim")
-    sim.add_argument("--checkpoint-every", type=int, default=0)
-    sim.add_argument("--fingerprint-every", type=int, default=50)
+    sim.add_argument("--seed", type=int, default=0, help="seed of the noise and the faults")
+    sim.add_argument("--name", default="sim", help="the run's name in its labels")
+    sim.add_argument("--checkpoint-every", type=int, default=0, help="a checkpoint every N steps (0: none)")
+    sim.add_argument("--fingerprint-every", type=int, default=50, help="state fingerprints every N steps")
     sim.add_argument("--no-phases", action="store_true", help="skip the (low-priority) phases table")
     sim.add_argument("--timing", choices=("cpu", "gpu"), default="cpu",
                      help="clock semantics: cpu = gloo (collectives block the thread), gpu = CUDA/NCCL (the thread "
                           "only enqueues; device columns carry the straggler signal)")
     w = sub.add_parser("watch", help="live: re-analyze the latest window of a run as new part files appear")
-    w.add_argument("run_dir", type=Path)
-    w.add_argument("--window", type=int, default=20, metavar="STEPS")
-    w.add_argument("--every", type=float, default=5.0, metavar="SECONDS")
+    w.add_argument("run_dir", type=Path, help=RUN_DIR_HELP + " (it may not exist yet)")
+    w.add_argument("--window", type=int, default=20, metavar="STEPS", help="analyze the latest STEPS steps")
+    w.add_argument("--every", type=float, default=5.0, metavar="SECONDS", help="re-analyze this often")
     w.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0 = run until Ctrl-C)")
-    w.add_argument("--no-anomaly", action="store_true")
+    w.add_argument("--no-anomaly", action="store_true", help="skip the anomaly model")
     w.add_argument("--poll", type=float, default=0.2, metavar="SECONDS",
                    help="read the ranks' liveness records this often (fail-stops and hangs in seconds, not at the "
                         "part-file cadence)")
@@ -666,25 +726,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "Alertmanager-v4 webhook (durable outbox in <run>/alerts/)")
     w.add_argument("--secret-file", type=Path, default=None, help="the webhook secret (see `rankwatch webhook-secret`)")
     ws = sub.add_parser("webhook-secret", help="write a new webhook signing secret to FILE (never overwrites)")
-    ws.add_argument("file", type=Path)
+    ws.add_argument("file", type=Path, help="where to write the secret (must not exist)")
     ck = sub.add_parser("checkpoints", help="every checkpoint candidate with its verdict (committed, partial, corrupt)")
-    ck.add_argument("run_dir", type=Path)
+    ck.add_argument("run_dir", type=Path, help=RUN_DIR_HELP)
     ck.add_argument("--verify", action="store_true", help="read every byte and check SHA-256, not only sizes")
     ev = sub.add_parser("evidence", help="copy the telemetry, events, topology and manifests behind incidents into <run>/evidence/<id>/")
-    ev.add_argument("run_dir", type=Path)
+    ev.add_argument("run_dir", type=Path, help=RUN_DIR_HELP)
     ev.add_argument("--incident", action="append", default=[], metavar="ID", help="only these incidents (default: all)")
     lo = sub.add_parser("localize", help="does a recurring fault follow a device, a rank, a host or a link?")
     lo.add_argument("run_dirs", type=Path, nargs="+", help="runs (or restarts) of one job")
     rc = sub.add_parser("recover", help="decide the narrowest safe recovery for a run's new incidents (--apply: do it)")
-    rc.add_argument("run_dir", type=Path)
+    rc.add_argument("run_dir", type=Path, help=RUN_DIR_HELP)
     rc.add_argument("--apply", action="store_true", help="preserve evidence, quarantine, retire and relaunch")
     rc.add_argument("--history", type=Path, nargs="*", default=[], metavar="RUN",
                     help="other runs of the job, for recurrence (does a fault follow a device, host or link?)")
     rc.add_argument("--timeout", type=float, default=None, help="terminate a relaunch after this many seconds")
     li = sub.add_parser("lineage", help="a run's lineage: every entry, and whether each bitwise promise was checked "
                                         "and held")
-    li.add_argument("run_dir", type=Path)
-    li.add_argument("--json", action="store_true")
+    li.add_argument("run_dir", type=Path, help=RUN_DIR_HELP)
+    li.add_argument("--json", action="store_true", help="print the entries and promises as JSON")
     _rollup_parser(sub)
     _manager_parser(sub)
     dr = sub.add_parser("drill", help="fault drills on a live canary: inject a fault, time detection, decision and "
@@ -694,16 +754,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     dr.add_argument("--workdir", type=Path, default=Path("runs/drills"),
                     help="the drills' runs, the cached reference run and report.json")
     db = sub.add_parser("dashboard", help="the incident dashboard (Streamlit) over one or more runs, on 127.0.0.1")
-    db.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
-    db.add_argument("--port", type=int, default=8501)
+    db.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="the runs to show")
+    db.add_argument("--port", type=int, default=8501, help="the port to serve on")
     db.add_argument("--address", default="127.0.0.1", help="bind address (default loopback only)")
     pm = sub.add_parser("postmortem", help="execute the post-mortem notebook on a run (an .ipynb, optionally HTML)")
-    pm.add_argument("run_dir", type=Path)
+    pm.add_argument("run_dir", type=Path, help=RUN_DIR_HELP)
     pm.add_argument("--incident", default=None, metavar="ID", help="the incident to explain (default: the most "
                                                                      "consequential)")
     pm.add_argument("--out", type=Path, required=True, help="the executed notebook (.ipynb)")
     pm.add_argument("--html", type=Path, default=None, help="also write it as HTML")
+    return _finish(parser)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["torchrun"]:
+        return _torchrun(raw[1:])
+    parser = build_parser()
+    unknown = _unknown_command(parser, raw)
+    if unknown is not None:
+        print(unknown, file=sys.stderr)
+        return 2
     args = parser.parse_args(raw)
+    args.command = ALIASES.get(args.command, args.command)
+    if args.command in _READS_RUNS:  # at once, before the command's imports (seconds) and its work
+        from rankwatch.base.rundir import run_dir_problem
+
+        for run in ([args.run_dir] if hasattr(args, "run_dir") else list(args.run_dirs)):
+            problem = run_dir_problem(run)
+            if problem is not None:
+                print(f"rankwatch {args.command}: error: {problem}", file=sys.stderr)
+                return 2
     configure_logging(getattr(args, "log_level", "warning"))
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
                 "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,

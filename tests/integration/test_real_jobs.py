@@ -196,9 +196,10 @@ def _duty_cycle(pid: int, job: Job) -> int:
 
 # -- failures -------------------------------------------------------------------------------------------------------
 
-def test_sigkill_is_a_fail_stop_of_that_rank_only(tmp_path: Path) -> None:
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_sigkill_is_a_fail_stop_of_that_rank_only(tmp_path: Path, example: str) -> None:
     """Rank 2 is SIGKILLed from outside after 20 steps; torchrun then SIGTERMs the survivors, who are not blamed."""
-    with running(tmp_path, "ddp_gpt", steps=2000) as job:
+    with running(tmp_path, example, steps=2000) as job:
         pid = live_record(job.run_dir, 2, min_step=20).pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
@@ -206,6 +207,34 @@ def test_sigkill_is_a_fail_stop_of_that_rank_only(tmp_path: Path) -> None:
     exit_record = json.loads((job.run_dir / "live" / "exit-2.json").read_text())
     assert exit_record.get("signal") == signal.SIGKILL, exit_record
     only(analyze(job.run_dir), IncidentClass.FAIL_STOP, 2)
+
+
+def test_sigkill_is_named_live_within_a_second_and_no_survivor_is_blamed(tmp_path: Path) -> None:
+    """The live view (`LivenessMonitor`, what `rankwatch watch` and the monitor service poll) names the SIGKILLed rank
+    within 1 s of the kill, from the host agent's exit record; a survivor named on its way down (torchrun's SIGTERM)
+    is withdrawn before the job is over."""
+    from rankwatch.analytics.liveness.monitor import LivenessMonitor
+
+    with running(tmp_path, "ddp_gpt", steps=2000) as job:
+        pid = live_record(job.run_dir, 2, min_step=20).pid
+        assert pid is not None
+        monitor = LivenessMonitor(job.run_dir)
+        monitor.poll()
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        named: dict[tuple[int, ...], float] = {}
+        withdrawn: set[tuple[int, ...]] = set()
+        while job.proc.poll() is None or time.monotonic() - killed < 3.0:
+            view = monitor.poll()
+            for incident in view.new:
+                if incident.klass is IncidentClass.FAIL_STOP:
+                    named.setdefault(incident.ranks, time.monotonic() - killed)
+            withdrawn |= {i.ranks for i in view.withdrawn}
+            assert time.monotonic() - killed < 60, job.tail()
+            time.sleep(0.05)
+        assert job.wait() != 0
+    assert (2,) in named and named[(2,)] < 1.0, named
+    assert set(named) - withdrawn == {(2,)}, (named, withdrawn)
 
 
 def test_exception_is_recorded_and_named(tmp_path: Path) -> None:

@@ -183,3 +183,42 @@ def test_a_functional_collective_waits_only_from_its_wait(world: Path) -> None:
     wait_ms = steps["collective_wait_ns"].item() / 1e6
     compute_ms = steps["compute_ns"].item() / 1e6
     assert wait_ms < 20 and compute_ms >= 75, (wait_ms, compute_ms)
+
+
+def test_rankwatch_disable_returns_a_collector_that_records_and_patches_nothing(world: Path) -> None:
+    from rankwatch.collector.attach import attach
+    from rankwatch.collector.null import NullCollector
+
+    before = (dist.all_reduce, sys.excepthook, sys.exit)
+    rw = attach(world, env={"RANK": "0", "WORLD_SIZE": "1", "RANKWATCH_DISABLE": "1"})
+    assert isinstance(rw, NullCollector)
+    assert (dist.all_reduce, sys.excepthook, sys.exit) == before
+    with rw.step(0):
+        dist.all_reduce(torch.ones(2))
+    assert not world.exists()
+    with pytest.raises(ValueError, match="RANKWATCH_DISABLE='maybe' is not 1/0"):
+        attach(world, env={"RANK": "0", "WORLD_SIZE": "1", "RANKWATCH_DISABLE": "maybe"})
+
+
+_EXITING = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+from rankwatch.collector.attach import attach
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1] + "/store", 1), rank=0, world_size=1,
+                        timeout=timedelta(seconds=10))
+rw = attach(sys.argv[1] + "/run", env={"RANK": "0", "WORLD_SIZE": "1"})
+with rw.step(0):
+    pass
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_the_exit_status_of_sys_exit_is_recorded(tmp_path: Path, code: int) -> None:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _EXITING, str(tmp_path), str(code)], capture_output=True, timeout=60)
+    assert done.returncode == code, done.stderr.decode()[-2000:]
+    events = _rows(tmp_path / "run", "events")
+    assert events.filter(pl.col("kind") == str(EventKind.EXIT))["exit_code"].to_list() == [code]

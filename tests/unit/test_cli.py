@@ -186,3 +186,88 @@ def test_watch_sends_each_incident_signed_to_the_webhook_once(tmp_path: Path, ca
     assert alert["labels"]["class"] == "straggler" and alert["labels"]["rank"] == "5"
     assert all(isinstance(v, str) for v in alert["annotations"].values())
     assert "no decisions sent" in capsys.readouterr().err  # a simulated run records no launch: incidents only
+
+
+# -- the shape of the command line ----------------------------------------------------------------------------------
+
+def _walk(parser: object, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], object]]:
+    import argparse
+
+    assert isinstance(parser, argparse.ArgumentParser)
+    found: list[tuple[tuple[str, ...], object]] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found.append(((*path, name), child))
+                found += _walk(child, (*path, name))
+    return found
+
+
+def test_every_command_has_a_description_and_every_flag_a_help_text() -> None:
+    import argparse
+
+    from rankwatch.cli import build_parser
+
+    parser = build_parser()
+    commands = _walk(parser)
+    assert len(commands) >= 18
+    missing = []
+    for path, child in [((), parser), *commands]:
+        assert isinstance(child, argparse.ArgumentParser)
+        if path and path != ("torchrun",) and not child.description:
+            missing.append(f"{' '.join(path)}: no description")
+        for action in child._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            if not action.help:
+                missing.append(f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}: no help")
+    assert missing == []
+    help_text = dict(commands)[("simulate",)].format_help()  # type: ignore[attr-defined]
+    assert "(default: 50)" in help_text  # --fingerprint-every: defaults shown
+
+
+def test_version_typos_and_the_other_spelling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rankwatch import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"rankwatch {__version__}"
+    assert main(["analyzee", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "rankwatch: error: unknown command 'analyzee' (did you mean 'analyze'?); `rankwatch --help` lists them")
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate';" in capsys.readouterr().err
+    assert main(["analyse", str(tmp_path / "nope"), "--quiet"]) == 2  # the other spelling is the same command
+    assert capsys.readouterr().err.strip() == f"rankwatch analyze: error: {tmp_path / 'nope'}: not a run directory " \
+                                              "(does not exist)"
+
+
+@pytest.mark.parametrize("command", ["checkpoints", "lineage", "telemetry", "analyze", "recover", "postmortem"])
+def test_a_folder_that_is_no_run_is_refused_at_once(command: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "photos").mkdir()
+    extra = ["--out", str(tmp_path / "x.ipynb")] if command == "postmortem" else []
+    assert main([command, str(tmp_path / "photos"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a run directory (none of run.json, telemetry" in err, err
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_incidents_table_fits_the_terminal(width: int) -> None:
+    from rankwatch.analytics.analyze import render_incidents
+    from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, Subject, SubjectKind
+
+    long_summary = ("GPU GPU-3f1c2a4e-9b7d-4c1e-8a2f-5d6e7f8a9b0c of rank 5 runs at 41 % of its maximum clock with the "
+                    "thermal throttle reason set for 14 of 14 slow steps; its compute is 148.6 % of its peers'")
+    incidents = [
+        Incident(klass=IncidentClass.STRAGGLER, subject=Subject(kind=SubjectKind.DEVICE,
+                 id="GPU-3f1c2a4e-9b7d-4c1e-8a2f-5d6e7f8a9b0c"), ranks=(5,), onset_step=120, detection_step=128,
+                 confidence=0.93, cause=Cause.THERMAL_THROTTLE, summary=long_summary),
+        Incident(klass=IncidentClass.FAIL_STOP, subject=Subject(kind=SubjectKind.RANK, id="2"), ranks=(2,),
+                 onset_step=216, detection_step=216, confidence=0.95, cause=Cause.UNKNOWN, summary="short"),
+    ]
+    text = render_incidents(incidents, width=width)
+    assert max(len(line) for line in text.splitlines()) <= width, text
+    words = " ".join(line.strip() for line in text.splitlines())
+    assert "148.6 %" in words and "rank:2" in words  # wrapped, not cut
+    assert len(render_incidents(incidents).splitlines()) == 3  # without a width: one line each, as before

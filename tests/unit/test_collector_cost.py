@@ -3,13 +3,9 @@ belong to the benchmark's full run)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from support import assert_rows, benchmark_table
 
 ROWS = (
     "critical path per step, a",
@@ -33,12 +29,4 @@ ROWS = (
 @pytest.mark.slow  # spawns 2 gloo ranks four times
 @pytest.mark.timeout(420)
 def test_quick_run_prints_every_row() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "collector_cost.py"), "--quick"],
-                          capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-2000:]
-    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
-    assert table[0] == "| figure | value |"
-    for row in ROWS:
-        assert any(line.startswith(f"| {row}") for line in table), f"no row {row!r} in:\n" + "\n".join(table)
-    errors = next(line for line in table if line.startswith("| collector internal errors"))
-    assert errors.endswith("| 0 |"), errors
+    assert_rows(benchmark_table("collector_cost.py", "--quick", timeout_s=400), ROWS)

@@ -456,3 +456,32 @@ def test_peers_that_die_of_the_culprits_going_or_are_stopped_after_it_are_not_cu
     together = classify([rec(r, at=10.0) for r in range(WORLD)], [exit_(r, at=10.05 + 0.01 * r, sig=9) for r in (0, 1)],
                         now(10.3))
     assert [i.subject.id for i in together.incidents] == ["0", "1"]
+
+
+# -- the records in a post-mortem (analytics/liveness/posthoc.py) ----------------------------------------------------
+
+def test_a_record_beyond_the_rows_gives_the_progress_and_says_the_steps_lost_exactly() -> None:
+    import polars as pl
+
+    from rankwatch.analytics.frames import Frames
+    from rankwatch.analytics.liveness.posthoc import merge_records
+
+    live = pl.DataFrame({  # rows: rank 2's end at step 100 (its last flush); the others' at 245 (closed on SIGTERM)
+        "rank": [0, 1, 2, 3], "attempt": [0, 0, 0, 0], "last_step": [245, 245, 100, 245],
+        "last_step_end_wall_ns": [T0 + 30 * S, T0 + 30 * S, T0 + 25 * S, T0 + 30 * S],
+        "last_heartbeat_wall_ns": [T0 + 31 * S, T0 + 31 * S, T0 + 25 * S, T0 + 31 * S],
+        "last_seen_wall_ns": [T0 + 33 * S, T0 + 33 * S, T0 + 25 * S, T0 + 33 * S],
+    })
+    frames = Frames.build(liveness=live, end_wall_ns=T0 + 33 * S)
+    records = {0: rec(0, at=33, last_step=245, progress=30), 2: rec(2, at=30.2, last_step=245, progress=30, step=246),
+               3: rec(3, at=33, last_step=245, progress=30, attempt=1)}  # rank 3's record is of another attempt
+    merged, warnings = merge_records(frames, records)
+    by_rank = {r["rank"]: r for r in merged.liveness.iter_rows(named=True)}
+    assert by_rank[2]["last_step"] == 245 and by_rank[2]["last_step_end_wall_ns"] == T0 + 30 * S
+    assert by_rank[2]["last_seen_wall_ns"] == T0 + int(30.2 * S) and by_rank[2]["heartbeat_step"] == 246
+    assert by_rank[3] == {**by_rank[3], "last_seen_wall_ns": T0 + 33 * S, "last_heartbeat_wall_ns": T0 + 31 * S}
+    assert merged.end_wall_ns == T0 + 33 * S
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "telemetry: rank 2 attempt 0: its rows end at step 100, its liveness record at step 245"), warnings
+    assert "steps 101..245 were trained and their rows never written" in warnings[0]
+    assert merge_records(frames, {}) == (frames, ())

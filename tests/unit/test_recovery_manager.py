@@ -274,6 +274,11 @@ def test_recover_command_on_a_folder_that_is_no_run_is_one_line(tmp_path: Path, 
 
     assert main(["recover", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rankwatch recover: error: {tmp_path}: not a run directory (none of run.json, telemetry, live, "
+                   "checkpoints, lineage.jsonl in it)"]
+    (tmp_path / "telemetry").mkdir()  # a run, but not one the canary launched: nothing to relaunch
+    assert main(["recover", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"rankwatch recover: error: {tmp_path / RUN_FILE}: no run file — not a canary run directory"]
 
 

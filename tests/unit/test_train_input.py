@@ -111,5 +111,8 @@ def test_lineage_command_verifies_the_chain_and_lists_promises(tmp_path: Path, c
     assert main(["lineage", str(tmp_path / "nothing")]) == 2
     assert "nothing: not a run directory" in capsys.readouterr().err
     (tmp_path / "fresh").mkdir()
+    assert main(["lineage", str(tmp_path / "fresh")]) == 2  # an empty folder is no run
+    assert "fresh: not a run directory (none of run.json" in capsys.readouterr().err
+    (tmp_path / "fresh" / "telemetry").mkdir()  # a run that was never resumed
     assert main(["lineage", str(tmp_path / "fresh")]) == 0
     assert "no lineage entries" in capsys.readouterr().out

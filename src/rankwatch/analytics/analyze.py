@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from rankwatch.analytics.frames import Clock, Frames
 from rankwatch.analytics.hardware import attribute_device_faults
 from rankwatch.analytics.incidents import Incident, sort_incidents, write_incidents
 from rankwatch.analytics.localize import RunObservation
+from rankwatch.analytics.liveness.posthoc import final_records, merge_records
 from rankwatch.analytics.queries import groups, load_frames, run_clock, topology
 from rankwatch.analytics.replay import detect_replay_divergence
 from rankwatch.analytics.store import attach, check_store, materialize, open_run, telemetry_dir
@@ -169,6 +171,9 @@ def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), p
         frames = load_frames(con=store.con, since_step=since, clock=clock)
     except duckdb.Error as exc:  # a row guard naming a damaged part, or a read that failed
         raise read_error(exc, telemetry_dir(run)) from None
+    records, unread = final_records(run)
+    frames, lost = merge_records(frames, records)
+    found = (*found, *unread, *lost)
     timings.append(("load", time.perf_counter() - t0))
     try:
         found = (*found, *collective_coverage(store.con, set(store.tables), world_size=frames.world_size))
@@ -227,20 +232,44 @@ def _ranks_text(ranks: tuple[int, ...], limit: int = 6) -> str:
     return ",".join(map(str, ranks[:limit])) + f",… ({len(ranks)})"
 
 
-def render_incidents(incidents: tuple[Incident, ...] | list[Incident]) -> str:
-    """A fixed-width table: class, subject, ranks, onset/detection step, confidence, cause, summary."""
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def render_incidents(incidents: tuple[Incident, ...] | list[Incident], *, width: int | None = None) -> str:
+    """A fixed-width table: class, subject, ranks, onset/detection step, confidence, cause, summary.
+
+    With `width` (a terminal's columns) every line fits it: a long subject (a GPU's UUID), ranks or cause is cut with
+    "…" (the full values are in `--json` and the saved incidents), and a summary that does not fit beside the row goes
+    under it, wrapped, indented."""
     if not incidents:
         return "no incidents"
-    head = ("class", "subject", "ranks", "onset", "detected", "conf", "cause", "summary")
-    rows = [
+    head: tuple[str, ...] = ("class", "subject", "ranks", "onset", "detected", "conf", "cause", "summary")
+    rows: list[tuple[str, ...]] = [
         (str(i.klass), str(i.subject), _ranks_text(i.ranks), "-" if i.onset_step is None else str(i.onset_step),
          "-" if i.detection_step is None else str(i.detection_step), f"{i.confidence:.2f}", str(i.cause), i.summary)
         for i in incidents
     ]
+    if width is not None:
+        if width < 100:  # at 80 columns: no detection step (it is in --json), narrower cells; the row fits in 76
+            keep = (0, 1, 2, 3, 5, 6, 7)
+            head = tuple(head[k] for k in keep)
+            rows = [tuple(r[k] for k in keep) for r in rows]
+            limits: tuple[int, ...] = (14, 16, 10, 7, 4, 14)
+        else:
+            limits = (18, 24, 14, 8, 8, 4, 18)
+        rows = [tuple(_clip(v, n) for v, n in zip(r[:-1], limits)) + (r[-1],) for r in rows]
     widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head) - 1)]
     lines = []
     for r in [head, *rows]:
-        lines.append("  ".join(v.ljust(w) for v, w in zip(r[:-1], widths)) + "  " + r[-1])
+        fixed = "  ".join(v.ljust(w) for v, w in zip(r[:-1], widths))
+        if width is None or len(fixed) + 2 + len(r[-1]) <= width:
+            lines.append((fixed + "  " + r[-1]).rstrip())
+            continue
+        lines.append(fixed.rstrip())
+        if r is not head:
+            lines.extend(textwrap.wrap(r[-1], width=max(20, width), initial_indent="    ", subsequent_indent="    ",
+                                       break_on_hyphens=False))
     return "\n".join(lines)
 
 

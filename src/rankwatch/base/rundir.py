@@ -66,6 +66,21 @@ LABELS_FILE = "labels.json"
 
 _RECORD_PREFIX = "recovery-"
 
+RUN_MARKERS = (RUN_FILE, TELEMETRY_DIR, LIVE_DIR, CHECKPOINT_DIR, LINEAGE_FILE)
+"""What every run directory holds at least one of: a folder with none of them is not a run."""
+
+
+def run_dir_problem(path: Path | str) -> str | None:
+    """Why `path` is not a run directory, in one line naming it (None: it is one)."""
+    p = Path(path)
+    if not p.exists():
+        return f"{p}: not a run directory (does not exist)"
+    if not p.is_dir():
+        return f"{p}: not a run directory (a file)"
+    if not any((p / m).exists() for m in RUN_MARKERS):
+        return f"{p}: not a run directory (none of {', '.join(RUN_MARKERS)} in it)"
+    return None
+
 
 class RunFileError(ValueError):
     """One of the run directory's own files (run.json, a recovery record, the quarantine list) cannot be read as

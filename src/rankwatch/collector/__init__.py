@@ -8,9 +8,9 @@ simulator through them — never load torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from rankwatch.base.lazy import lazy_names
 from rankwatch.base.schema import SCHEMA_VERSION, Table
 from rankwatch.base.topology import GroupInfo
 from rankwatch.collector.gpu import (
@@ -40,13 +40,7 @@ _WITH_TORCH = {
 """Name -> the module of this package that defines it, imported on first use (it imports torch)."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _WITH_TORCH.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WITH_TORCH)
 
 
 __all__ = [

@@ -20,6 +20,9 @@ Slurm: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_RESTART_COUNT), the run 
 - records an uncaught exception (``sys.excepthook``, ``threading.excepthook``) with its text, a SIGTERM and the
   exit, each chained to what the script had installed before.
 
+With ``RANKWATCH_DISABLE=1`` in the environment it returns a `NullCollector` and touches nothing: the same script
+runs without rankwatch (benchmarks/attach_cost.py's OFF arm).
+
 The returned object is the `Collector`: phases, loaders and fingerprints stay optional. Attaching twice returns the
 first collector. Bad configuration (no run directory, a launcher environment that is not numbers) raises ValueError
 here, at set-up; once attached, nothing the collector does raises into training.
@@ -46,7 +49,8 @@ from rankwatch.collector.collector import Collector, CollectorConfig
 from rankwatch.collector.ddp import hook_ddp
 from rankwatch.collector.funcol import instrument_funcol
 from rankwatch.collector.instrument import instrument_distributed
-from rankwatch.collector.launcher_env import RUN_DIR_ENV, launch_env
+from rankwatch.collector.launcher_env import RUN_DIR_ENV, disabled, launch_env
+from rankwatch.collector.null import NullCollector
 
 __all__ = ["attach", "detach"]
 
@@ -153,15 +157,33 @@ def _known_groups(rank: int, hosts: list[str], taken: set[int]) -> list[tuple[An
     return out
 
 
+def _exit_status(status: object) -> int:
+    """The process exit status of ``sys.exit(status)`` (Python's rule: None is 0, an int itself, anything else is
+    printed and gives 1)."""
+    if status is None:
+        return 0
+    return status if isinstance(status, int) else 1
+
+
 class _Hooks:
-    """The exception hooks of one attached collector, chained to the ones installed before."""
+    """The exception hooks of one attached collector, chained to the ones installed before, and ``sys.exit``
+    wrapped to note its status (atexit cannot see it)."""
 
     def __init__(self, collector: Collector) -> None:
         self.collector = collector
+        self.exit_code = 0
+        """The status of the last ``sys.exit`` called through the module (0 if none): what `_at_exit` records."""
         self.prev_sys = sys.excepthook
         self.prev_thread = threading.excepthook
+        self.prev_exit = sys.exit
         sys.excepthook = self.on_exception
         threading.excepthook = self.on_thread_exception
+        sys.exit = self.on_exit
+
+    def on_exit(self, status: object = None) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            self.exit_code = _exit_status(status)
+        return self.prev_exit(status)  # type: ignore[arg-type]
 
     def on_exception(self, kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         try:
@@ -186,6 +208,8 @@ class _Hooks:
             sys.excepthook = self.prev_sys
         if threading.excepthook == self.on_thread_exception:
             threading.excepthook = self.prev_thread
+        if sys.exit == self.on_exit:
+            sys.exit = self.prev_exit
 
 
 @dataclass(slots=True)
@@ -199,16 +223,21 @@ _ATTACHED: _Attached | None = None
 
 
 def attach(run_dir: str | Path | None = None, *, mesh: Any = None, config: CollectorConfig | None = None,
-           instrument: bool = True, backend: str | None = None, env: Mapping[str, str] | None = None) -> Collector:
+           instrument: bool = True, backend: str | None = None,
+           env: Mapping[str, str] | None = None) -> Collector | NullCollector:
     """Start recording this rank into `run_dir` (or ``$RANKWATCH_RUN_DIR``); returns the started `Collector`.
 
     Call it after the process group (and the DeviceMesh, passed as `mesh`) exist: the topology is recorded then.
     `config` overrides the collector's defaults (its `run_dir` is replaced by the one found here). `instrument`
-    False leaves torch.distributed's functions unwrapped (a job that records its collectives itself)."""
+    False leaves torch.distributed's functions unwrapped (a job that records its collectives itself). With
+    ``RANKWATCH_DISABLE=1`` a `NullCollector`: nothing recorded, nothing patched."""
     global _ATTACHED
     if _ATTACHED is not None:
         return _ATTACHED.collector
     env = os.environ if env is None else env
+    if disabled(env):
+        me = launch_env(env)
+        return NullCollector(rank=me.rank, world_size=me.world_size)
     where = run_dir if run_dir is not None else env.get(RUN_DIR_ENV)
     if not where:
         raise ValueError(f"rankwatch.attach: no run directory: pass attach(run_dir) or set {RUN_DIR_ENV}")
@@ -253,9 +282,12 @@ def attach(run_dir: str | Path | None = None, *, mesh: Any = None, config: Colle
 
 def _at_exit(collector: Collector) -> None:
     """The interpreter is ending without an uncaught exception or a signal recorded (those closed the collector
-    already): an exit with code 0. A ``sys.exit(n)`` from the main thread is not visible here, so it is recorded as
-    0 too; `rankwatch torchrun`'s host agent records the true status in the rank's exit record."""
-    collector.close(exit_code=0)
+    already): an exit with the status of the main thread's last ``sys.exit`` (0 without one). A ``raise
+    SystemExit(n)`` that bypasses ``sys.exit`` reads as 0 here; `rankwatch torchrun`'s host agent records the true
+    status in the rank's exit record."""
+    attached = _ATTACHED
+    code = attached.hooks.exit_code if attached is not None and attached.collector is collector else 0
+    collector.close(exit_code=code)
 
 
 def _undo_all(*undos: Callable[[], None]) -> Callable[[], None]:

@@ -9,10 +9,26 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["RUN_DIR_ENV", "LaunchEnv", "launch_env"]
+__all__ = ["DISABLE_ENV", "RUN_DIR_ENV", "LaunchEnv", "disabled", "launch_env"]
 
 RUN_DIR_ENV = "RANKWATCH_RUN_DIR"
 """The run directory when `attach` is given none (`rankwatch torchrun --run-dir` sets it)."""
+
+DISABLE_ENV = "RANKWATCH_DISABLE"
+"""Set to 1 (true, yes, on): `attach` records nothing and patches nothing (a job run without rankwatch, unedited)."""
+
+
+def disabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether `DISABLE_ENV` turns rankwatch off; any other value than the four words and 0/false/no/off/empty is
+    an error naming it."""
+    env = os.environ if env is None else env
+    text = env.get(DISABLE_ENV, "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"rankwatch.attach: environment variable {DISABLE_ENV}={text[:40]!r} is not 1/0, true/false, "
+                     "yes/no or on/off")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

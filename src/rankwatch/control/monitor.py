@@ -17,6 +17,7 @@ policy and acts only on what it decides itself.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 import time
@@ -229,7 +230,7 @@ class Monitor:
                 self._say(f"[{steps}] {new_parts} new part(s), {len(self.window_incidents)} incident(s) in the "
                           f"window, {len(fresh)} new ({took:.1f}s)")
                 if fresh:
-                    self._say(render_incidents(fresh))
+                    self._say(render_incidents(fresh, width=shutil.get_terminal_size((120, 24)).columns))
             self.ticks += 1
         if self._alerts is not None:
             confirmed = [i for i in self.window_incidents if not any(same_fault(v, i) for v in view.incidents)]

@@ -62,6 +62,12 @@ class LivenessMonitor:
         withdrawn = tuple(i for i in resolved if i.klass is IncidentClass.FAIL_STOP and i.attempt == view.attempt)
         return replace(view, new=new, resolved=resolved, withdrawn=withdrawn)
 
+    def read(self) -> tuple[dict[int, RankRecord], dict[int, ExitRecord], tuple[str, ...]]:
+        """Read the live folder without classifying: each rank's record and exit record held now (copies), and the
+        reading's warnings."""
+        warnings = self._read()
+        return dict(self._records), dict(self._exits), tuple(warnings)
+
     def _since(self, rank: int, what: str, value: tuple[int | None, int, int | None], now: int) -> int:
         key = (rank, what)
         prev = self._changed.get(key)

@@ -1,0 +1,75 @@
+"""The liveness records in a post-mortem: the last word of each rank's collector, beside its part files.
+
+A rank's rows reach its part files every `CollectorConfig.flush_interval_s` (5 s by default); its liveness record
+(``<run>/live/rank-<r>.live``) within `liveness_poll_s` (0.05 s) of every completed step and at least twice per
+heartbeat interval. A process that ends without closing its collector (SIGKILL, the OOM killer, a lost host) takes the
+rows of its last few seconds with it, but not its record: the record says exactly how far it got (its last completed
+step and when) and when it was last alive. `merge_records` takes that into the run's liveness frame, and says the loss
+exactly: which steps the rank trained whose rows were never written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+
+from rankwatch.analytics.frames import Frames, conform
+from rankwatch.analytics.liveness.monitor import LivenessMonitor
+from rankwatch.analytics.liveness.records import RankRecord
+
+__all__ = ["final_records", "merge_records"]
+
+
+def final_records(run_dir: Path | str) -> tuple[dict[int, RankRecord], tuple[str, ...]]:
+    """Each rank's liveness record as it stands (none when the run has no ``live/`` folder), and the reading's
+    warnings (a record caught mid-write twice is left out, with a warning)."""
+    monitor = LivenessMonitor(run_dir)
+    records, _, warnings = monitor.read()
+    return records, warnings
+
+
+def _clock(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3] + " UTC"
+
+
+def merge_records(frames: Frames, records: Mapping[int, RankRecord]) -> tuple[Frames, tuple[str, ...]]:
+    """`frames` with each rank's progress and last sign of life taken from its liveness record where the record is of
+    the rank's latest attempt and goes further than its rows; one warning per rank whose rows stop short of its record
+    (the steps lost, exactly). A record is a sign of life like a heartbeat (written at least twice per heartbeat
+    interval), so it counts as one."""
+    live = frames.liveness
+    if not records or not live.height:
+        return frames, ()
+    warnings: list[str] = []
+    rows = []
+    newest = frames.end_wall_ns
+    for row in live.iter_rows(named=True):
+        rec = records.get(int(row["rank"]))
+        if rec is None or rec.attempt != row["attempt"]:
+            rows.append(row)
+            continue
+        row = dict(row)
+        last = int(row["last_step"]) if row["last_step"] is not None else -1
+        rec_last = rec.last_step if rec.last_step is not None else -1
+        if rec_last > last:
+            warnings.append(
+                f"telemetry: rank {rec.rank} attempt {rec.attempt}: its rows end at step {last}, its liveness record "
+                f"at step {rec_last} ({_clock(rec.last_step_wall_ns or rec.wall_ns)}): steps {last + 1}..{rec_last} "
+                "were trained and their rows never written (the process ended before its collector's next flush); "
+                "its progress is read from the record")
+            row["last_step"] = rec_last
+            row["last_step_end_wall_ns"] = rec.last_step_wall_ns
+        beat = row["last_heartbeat_wall_ns"]
+        if beat is None or rec.wall_ns > beat:
+            row["last_heartbeat_wall_ns"] = rec.wall_ns
+            row["heartbeat_step"] = rec.step if rec.step is not None else rec_last
+        seen = row["last_seen_wall_ns"]
+        row["last_seen_wall_ns"] = rec.wall_ns if seen is None else max(int(seen), rec.wall_ns)
+        newest = max(newest, rec.wall_ns)
+        rows.append(row)
+    merged = conform("liveness", pl.DataFrame(rows, schema=live.schema))
+    return replace(frames, liveness=merged, end_wall_ns=newest), tuple(warnings)
