@@ -119,7 +119,24 @@ def _train(args: argparse.Namespace) -> int:
               "(not checkable)")
     for w in result.warnings:
         print(f"rankwatch train: warning: {w}", file=sys.stderr)
+    _say_failed_saves(cfg.run_dir)
     return 0 if result.ok else 1
+
+
+def _say_failed_saves(run_dir: Path) -> None:
+    """The job trained on through failed checkpoint saves: its last lines say so (analytics/saves.py)."""
+    import duckdb
+
+    from rankwatch.analytics.errors import AnalyticsError
+    from rankwatch.analytics.saves import failed_saves
+
+    try:
+        incident = failed_saves(run_dir)
+    except (AnalyticsError, OSError, duckdb.Error) as exc:
+        print(f"rankwatch train: warning: checkpoint saves not checked: {exc}", file=sys.stderr)
+        return
+    if incident is not None:
+        print(f"rankwatch train: WARNING: {incident.summary}")
 
 
 def _lineage(args: argparse.Namespace) -> int:

@@ -108,6 +108,13 @@ def test_a_full_disk_fails_saves_cleanly_keeps_telemetry_and_every_reader_answer
     with capsys.disabled():
         print(f"\nfull disk: {figures}")
 
+    # `train` ends with the failed saves (its last lines read them like this)
+    from rankwatch.analytics.saves import failed_saves
+
+    incident = failed_saves(run_dir)
+    assert incident is not None and incident.summary.startswith("2 checkpoint save(s) committed nothing (the disk "
+                                                                "was full): "), incident
+
     # every reader answers on a full disk, writes nothing beside the data, and raises nothing
     filler = _fill(small_disk)
     before = _files(run_dir)
@@ -121,6 +128,12 @@ def test_a_full_disk_fails_saves_cleanly_keeps_telemetry_and_every_reader_answer
     assert main(["analyze", str(run_dir), "--quiet"]) == 0
     out = capsys.readouterr()
     assert f"rankwatch analyze: {run_dir}: 4 ranks, steps 0..{STEPS - 1}" in out.out  # the answer is printed
+    # the failed saves are an incident of their own, read as a full disk, with the work at risk
+    text = " ".join(out.out.split())
+    assert "checkpoint job:checkpoints" in text and "storage_full" in text, out.out
+    assert (f"2 checkpoint save(s) committed nothing (the disk was full)" in text
+            and f"the last committed checkpoint is at step 9, {STEPS - 1 - 9} step(s) trained since have no "
+                "recovery point" in text), out.out
     warnings = [line for line in out.err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "could not save the analysis" in warnings[0], out.err
     assert _files(run_dir) == before  # no temporary file, no half-written analysis

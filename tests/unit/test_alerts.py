@@ -156,7 +156,7 @@ def test_severity_and_alertname_per_class() -> None:
     expect = {IncidentClass.FAIL_STOP: Severity.CRITICAL, IncidentClass.HANG: Severity.CRITICAL,
               IncidentClass.CORRUPTION: Severity.CRITICAL, IncidentClass.DIVERGENCE: Severity.CRITICAL,
               IncidentClass.STRAGGLER: Severity.WARNING, IncidentClass.IMBALANCE: Severity.WARNING,
-              IncidentClass.UNCLASSIFIED: Severity.INFO}
+              IncidentClass.CHECKPOINT: Severity.WARNING, IncidentClass.UNCLASSIFIED: Severity.INFO}
     assert set(expect) == set(IncidentClass)
     for klass, sev in expect.items():
         assert severity(_inc(klass, cause=Cause.UNKNOWN)) is sev

@@ -4,6 +4,7 @@ are removed and described in a checkpoint_failed event with the bytes freed, the
 from __future__ import annotations
 
 import re
+import shutil
 import traceback
 from collections.abc import Iterator
 from datetime import timedelta
@@ -89,9 +90,18 @@ def test_a_checkpoint_exception_is_a_failed_save_that_frees_its_partial(
     assert write[CheckpointPhases.ERROR] == result.reason.removeprefix("rank 0: ")
 
 
-def test_the_first_failing_rank_of_a_checkpoint_exception_is_named() -> None:
+def test_the_first_failing_rank_of_a_checkpoint_exception_is_named(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     failures: dict[int, Any] = {3: (OSError(28, "No space left on device"), traceback.StackSummary()),
                                 1: (RuntimeError("unexpected pos 704 vs 598\nmore"), traceback.StackSummary())}
-    line = ckpt_mod._first_line(DcpSaveError.of(CheckpointException("x", failures)))
-    assert line == "DcpSaveError: rank 1: RuntimeError: unexpected pos 704 vs 598"
+    line = ckpt_mod._first_line(DcpSaveError.of(CheckpointException("x", failures), tmp_path))
+    assert line == "DcpSaveError: rank 1: RuntimeError: unexpected pos 704 vs 598"  # room left: torch's words
+    # torch's short write on a full disk (caffe2/serialize/inline_container.cc) says so, with the free space
+    monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10 << 30, 10 << 30, 4096))
+    line = ckpt_mod._first_line(DcpSaveError.of(CheckpointException("x", failures), tmp_path))
+    assert line == ("DcpSaveError: rank 1: No space left on device (4096 bytes free; torch's writer: RuntimeError: "
+                    "unexpected pos 704 vs 598)")
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = OSError(28, "no room")  # an errno anywhere in the chain names it
+    assert ckpt_mod._why(wrapped, tmp_path) == "No space left on device (ENOSPC): RuntimeError: save failed"
 

@@ -59,6 +59,7 @@ EXPECTED: dict[str, X] = {
                                 "no restart or rollback"),
     "imbalance": _x(A.OBSERVE, None, ("-> observe",), "job-design issue"),
     "unclassified": _x(A.OBSERVE, None, ("-> observe",), "reported, not guessed"),
+    "checkpoint-saves-failed": _x(A.OBSERVE, None, ("-> observe",), "has no recovery point; fix the storage"),
     "hang-transient": _x(A.OBSERVE, None, ("recurrence=none", "-> observe"), "came back by itself"),
     "straggler-device-fault": _x(A.QUARANTINE, "device:GPU-aa",
                                  ("hardware=clock_loss,throttle", "-> quarantine device:GPU-aa"),
@@ -404,8 +405,8 @@ def _check(key: str, inc: Incident, gate: GateResult | None, idem: Idempotency, 
         assert mem is MembershipSupport.SPARE_REPLACEMENT, key
     if inc.klass in (IncidentClass.STRAGGLER, IncidentClass.IMBALANCE, IncidentClass.UNCLASSIFIED):
         assert d.action in (A.OBSERVE, A.QUARANTINE) and not d.also, key
-    if inc.klass in (IncidentClass.IMBALANCE, IncidentClass.UNCLASSIFIED):
-        assert d.action is A.OBSERVE, key
+    if inc.klass in (IncidentClass.IMBALANCE, IncidentClass.UNCLASSIFIED, IncidentClass.CHECKPOINT):
+        assert d.action is A.OBSERVE and not d.also, key  # failed saves: no recovery helps, nothing to quarantine
     if inc.klass is IncidentClass.HANG and inc.cause is Cause.TRANSIENT_STALL:
         assert d.action in (A.OBSERVE, A.QUARANTINE) and not d.also, key
     if inc.klass in (IncidentClass.DIVERGENCE, IncidentClass.CORRUPTION):
@@ -429,7 +430,7 @@ def _check(key: str, inc: Incident, gate: GateResult | None, idem: Idempotency, 
     hw_follow = rec is not None and rec.follows in (FollowsKind.DEVICE, FollowsKind.HOST, FollowsKind.LINK)
     corroborated = (inc.klass is IncidentClass.CORRUPTION and inc.cause is Cause.HARDWARE_ERROR
                     and inc.subject.kind is SubjectKind.DEVICE)
-    allowed = inc.klass not in (IncidentClass.IMBALANCE, IncidentClass.UNCLASSIFIED)
+    allowed = inc.klass not in (IncidentClass.IMBALANCE, IncidentClass.UNCLASSIFIED, IncidentClass.CHECKPOINT)
     rank_follow = rec is not None and rec.follows is FollowsKind.RANK
     assert bool(quarantined) == (allowed and (hw_follow or (not rank_follow and (corroborated or inc.device_fault)))), key
     assert len(quarantined) <= 1, key

@@ -206,7 +206,8 @@ def test_standard_suite_covers_every_class_and_cause() -> None:
     assert min(sizes) == 64 and max(sizes) == 2048
     labels = [labels_for(s.config, (1,)) for s in suite]
     classes = {x.klass for lab in labels for x in lab.expected}
-    assert classes == set(IncidentClass) - {IncidentClass.UNCLASSIFIED}
+    # failed checkpoint saves are the job's own machinery failing, tested on a real full disk (test_full_disk.py)
+    assert classes == set(IncidentClass) - {IncidentClass.UNCLASSIFIED, IncidentClass.CHECKPOINT}
     causes = {x.cause for lab in labels for x in lab.expected}
     assert {Cause.UNKNOWN, Cause.THERMAL_THROTTLE, Cause.POWER_THROTTLE, Cause.DATALOADER, Cause.SLOW_LINK,
             Cause.STAGE_IMBALANCE, Cause.DATA_SKEW, Cause.EXIT, Cause.SIGNAL, Cause.VANISHED, Cause.STUCK_IN_STEP,

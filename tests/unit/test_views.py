@@ -228,3 +228,25 @@ def test_live_progress_reads_what_was_written_since_the_views_and_merges_it(run:
     assert r3["last_step"] == stored.filter(pl.col("rank") == 3)["last_step"][0] + 10
     assert r3["last_step"] == whole.filter(pl.col("rank") == 3)["last_step"][0]
     assert merged.filter(pl.col("rank") != 3).equals(stored.filter(pl.col("rank") != 3).sort("rank"))
+
+
+def test_goodput_counts_every_attempt_and_never_passes_100_percent() -> None:
+    """Attempt 0 trains steps 0..22 (1 s each) and is killed; attempt 1 starts 8 s later and replays 20..29. The wall
+    runs from the first launch (not the relaunch) to the end; each step counts once, as its newest attempt trained it."""
+    from rankwatch.analytics.frames import Frames
+    from rankwatch.analytics.views.build import run_span
+
+    s, t0 = 1_000_000_000, 1_800_000_000_000_000_000
+    rows = [{"rank": r, "attempt": 0, "step": i, "start_wall_ns": t0 + i * s, "end_wall_ns": t0 + (i + 1) * s,
+             "duration_ns": s} for r in range(2) for i in range(20)]  # 20..22 of attempt 0 are replayed: dropped
+    rows += [{"rank": r, "attempt": 1, "step": i, "start_wall_ns": t0 + (31 + i - 20) * s,
+              "end_wall_ns": t0 + (32 + i - 20) * s, "duration_ns": s} for r in range(2) for i in range(20, 30)]
+    frames = Frames.build(
+        steps=pl.DataFrame(rows),
+        topology=pl.DataFrame({"rank": [0, 1], "attempt": [1, 1], "start_wall_ns": [t0 + 30 * s] * 2}),  # the latest
+        events=pl.DataFrame({"rank": [0, 1, 0, 1], "attempt": [0, 0, 1, 1], "kind": ["start"] * 4,
+                             "wall_ns": [t0, t0, t0 + 30 * s, t0 + 30 * s]}),
+        end_wall_ns=t0 + 41 * s)
+    start, end, wall, effective = run_span(frames)
+    assert (start, end) == (t0, t0 + 41 * s)
+    assert (wall, effective) == (41.0, 30.0)  # goodput 73 %, not 30 / 11 = 273 %

@@ -26,6 +26,7 @@ from rankwatch.analytics.hardware import attribute_device_faults
 from rankwatch.analytics.incidents import Incident, sort_incidents, write_incidents
 from rankwatch.analytics.localize import RunObservation
 from rankwatch.analytics.liveness.posthoc import final_records, merge_records
+from rankwatch.analytics.saves import detect_failed_saves
 from rankwatch.analytics.queries import groups, load_frames, run_clock, topology
 from rankwatch.analytics.replay import detect_replay_divergence
 from rankwatch.analytics.store import attach, check_store, materialize, open_run, telemetry_dir
@@ -116,7 +117,7 @@ def detect_all(frames: Frames, *, anomaly: bool = True, progress: Progress = _qu
         ("fail-stop and hang", lambda f: detect_failstops(f, failstop_config)), ("transient stall", detect_transient_stalls),
         ("straggler", detect_stragglers),
         ("divergence", detect_divergence), ("replay verification", detect_replay_divergence),
-        ("corruption", detect_corruption),
+        ("corruption", detect_corruption), ("failed checkpoint saves", detect_failed_saves),
     ]
     for name, detector in stages:
         t0 = time.perf_counter()

@@ -50,6 +50,9 @@ class IncidentClass(StrEnum):
     per-step data skew that makes a different rank late each step."""
     UNCLASSIFIED = "unclassified"
     """The anomaly model saw something unusual that no class explains; reported, not guessed."""
+    CHECKPOINT = "checkpoint"
+    """The job's own machinery failed: checkpoint saves that committed nothing. The job trains on, but the work since
+    its last committed checkpoint has no recovery point (analytics/saves.py)."""
 
 
 class SubjectKind(StrEnum):
@@ -71,6 +74,8 @@ class Cause(StrEnum):
     HW_SLOWDOWN = "hw_slowdown"
     DATALOADER = "dataloader"
     CHECKPOINT_IO = "checkpoint_io"
+    STORAGE_FULL = "storage_full"
+    """A checkpoint save failed for want of space ("No space left on device", ENOSPC, or torch's short write)."""
     SLOW_LINK = "slow_link"
     DEVICE_SLOW = "device_slow"
     """Device clock: the rank's GPU took longer for its own work while its host thread kept pace (no throttle bits
@@ -326,11 +331,11 @@ def _evidence(e: Any, n: int) -> Evidence:
 
 
 def sort_incidents(incidents: Iterable[Incident]) -> tuple[Incident, ...]:
-    """Most consequential first: fail-stop and hang, corruption, divergence, straggler, imbalance, unclassified;
-    then by onset."""
+    """Most consequential first: fail-stop and hang, corruption, divergence, failed checkpoint saves, straggler,
+    imbalance, unclassified; then by onset."""
     order = {c: i for i, c in enumerate((IncidentClass.FAIL_STOP, IncidentClass.HANG, IncidentClass.CORRUPTION,
-                                          IncidentClass.DIVERGENCE, IncidentClass.STRAGGLER, IncidentClass.IMBALANCE,
-                                          IncidentClass.UNCLASSIFIED))}
+                                          IncidentClass.DIVERGENCE, IncidentClass.CHECKPOINT, IncidentClass.STRAGGLER,
+                                          IncidentClass.IMBALANCE, IncidentClass.UNCLASSIFIED))}
     return tuple(sorted(incidents, key=lambda i: (order[i.klass], i.onset_step if i.onset_step is not None else -1, i.id)))
 
 

@@ -80,7 +80,7 @@ _CRITICAL = frozenset({IncidentClass.FAIL_STOP, IncidentClass.HANG, IncidentClas
                        IncidentClass.DIVERGENCE})
 
 
-_WARNING = frozenset({IncidentClass.STRAGGLER, IncidentClass.IMBALANCE})
+_WARNING = frozenset({IncidentClass.STRAGGLER, IncidentClass.IMBALANCE, IncidentClass.CHECKPOINT})
 
 
 STOPPING_CLASSES = frozenset({IncidentClass.FAIL_STOP, IncidentClass.HANG})
@@ -88,8 +88,8 @@ STOPPING_CLASSES = frozenset({IncidentClass.FAIL_STOP, IncidentClass.HANG})
 
 
 def severity(incident: Incident) -> Severity:
-    """Critical: fail-stop, hang, corruption, divergence. Warning: straggler, imbalance, and a hang the rank came
-    back from by itself (TRANSIENT_STALL). Info: unclassified."""
+    """Critical: fail-stop, hang, corruption, divergence. Warning: straggler, imbalance, failed checkpoint saves (work
+    at risk, nothing down), and a hang the rank came back from by itself (TRANSIENT_STALL). Info: unclassified."""
     if incident.klass is IncidentClass.HANG and incident.cause is Cause.TRANSIENT_STALL:
         return Severity.WARNING
     if incident.klass in _CRITICAL:

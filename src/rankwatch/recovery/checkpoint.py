@@ -289,16 +289,46 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
+_SHORT_WRITE = "unexpected pos"
+"""torch's zip writer (caffe2/serialize/inline_container.cc, `PyTorchStreamWriter::writeRecord`) checks its position
+after each write and fails with "[enforce fail at inline_container.cc:…] . unexpected pos N vs M" when the stream took
+fewer bytes than it was given: a full disk reaches torch.save this way, with no errno."""
+_LOW_FREE_BYTES = 16 << 20
+"""Free space under which a short write is read as the disk being full."""
+
+
+def _why(exc: BaseException, folder: Path) -> str:
+    """`exc` in one line that says what went wrong: an OSError anywhere in its chain by its errno's text ("No space
+    left on device"), torch's short write by the free space left where it wrote; else its first line."""
+    text = _first_line(exc)
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            name = errno.errorcode.get(e.errno, str(e.errno))
+            return text if f"[Errno {e.errno}]" in text else f"{os.strerror(e.errno)} ({name}): {text}"[:300]
+        e = e.__cause__ or e.__context__
+    if _SHORT_WRITE in text:
+        try:
+            free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
+        except OSError:
+            return text
+        if free < _LOW_FREE_BYTES:
+            return f"No space left on device ({free} bytes free; torch's writer: {text})"[:300]
+    return text
+
+
 class DcpSaveError(Exception):
     """DCP's `CheckpointException` — a `BaseException` whose text is a traceback per rank — as an `Exception` whose
     text is one line: the first failing rank and its error (``rank 1: OSError: [Errno 28] No space left on device``)."""
 
     @classmethod
-    def of(cls, exc: CheckpointException) -> DcpSaveError:
+    def of(cls, exc: CheckpointException, folder: Path) -> DcpSaveError:
         if not exc.failures:
-            return cls(_first_line(exc))
+            return cls(_why(exc, folder))
         rank, (cause, _) = min(exc.failures.items(), key=lambda kv: kv[0])
-        return cls(f"rank {rank}: {_first_line(cause)}")
+        return cls(f"rank {rank}: {_why(cause, folder)}")
 
 
 def _tree_size(path: Path) -> tuple[int, int]:
@@ -352,7 +382,7 @@ def save_checkpoint(
             if tmp.exists():  # our own temp from a save of this step that died: not evidence of anything committed
                 shutil.rmtree(tmp)
         except OSError as exc:  # reported with the write reports below; the ranks still take every collective
-            error = _first_line(exc)
+            error = _why(exc, root)
     with collector.collective("barrier", group):
         dist.barrier(group=group)
 
@@ -381,7 +411,7 @@ def save_checkpoint(
             try:
                 dcp.save(tensors, storage_writer=dcp.FileSystemWriter(dcp_dir, sync_files=False), process_group=group)
             except CheckpointException as exc:  # every rank gets it (DCP gathers the ranks' errors): a failed save
-                raise DcpSaveError.of(exc) from exc
+                raise DcpSaveError.of(exc, dcp_dir) from exc
             mine = sorted(p for p in dcp_dir.iterdir() if p.name.startswith(f"__{rank}_"))
             if rank == 0:
                 mine.append(dcp_dir / ".metadata")
@@ -397,7 +427,7 @@ def save_checkpoint(
                                        sha256=sha256_file(p), rank=rank))
             rec.bytes = sum(f.size for f in files)
     except Exception as exc:  # an I/O failure here is reported to every rank below, not raised
-        error = error or _first_line(exc)
+        error = error or (_first_line(exc) if isinstance(exc, DcpSaveError) else _why(exc, tmp))
         collector.event(EventKind.WARNING, exc_type=type(exc).__name__,
                         message=f"checkpoint {ckpt}: rank {rank} failed to write: {error}")
 

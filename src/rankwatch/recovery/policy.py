@@ -144,6 +144,11 @@ def decide(
             "to recover (it cost the job its duration: watch for a recurrence)"))
     if k is IncidentClass.UNCLASSIFIED:
         return _observe(path, "unclassified: reported, not guessed; no recovery without a class")
+    if k is IncidentClass.CHECKPOINT:
+        return _observe(path, (
+            "checkpoint saves committed nothing: the job trains on and no recovery would help it, but the work since "
+            "the last committed checkpoint has no recovery point; fix the storage (the incident names the error) "
+            "before a failure makes it matter"))
     if k in (IncidentClass.DIVERGENCE, IncidentClass.CORRUPTION):
         d = _state_fault(incident, gate, catalog, recurrence, path)
     else:
@@ -600,6 +605,8 @@ def _cases() -> tuple[DecisionCase, ...]:
     add("straggler-device-fault-rank-recurs", dev_straggler, None, rec=_rec(S, FollowsKind.RANK, "5"))
     add("imbalance", _inc(IncidentClass.IMBALANCE, (6, 7), Cause.STAGE_IMBALANCE), _gate(_A, _JOB))
     add("unclassified", _inc(IncidentClass.UNCLASSIFIED, (2,), Cause.UNKNOWN), None)
+    add("checkpoint-saves-failed", _inc(IncidentClass.CHECKPOINT, (), Cause.STORAGE_FULL,
+                                        subject=Subject(kind=SubjectKind.JOB, id="checkpoints")), None)
     add("hang-transient", _inc(H, (3,), Cause.TRANSIENT_STALL), None)
     add("hang-transient-device-fault", _inc(H, (3,), Cause.TRANSIENT_STALL, subject=dev_subject, hardware=(HW.XID,)),
         None)

@@ -205,18 +205,31 @@ def _ended(frames: Frames) -> bool:
     return live.select(_R, "attempt").join(exits, on=[_R, "attempt"], how="anti").height == 0
 
 
+def run_span(frames: Frames) -> tuple[int, int, float, float]:
+    """(start ns, end ns, wall s, effective s) of the whole run, every attempt of it: the wall from the first launch's
+    first sign of life (any attempt's start event, topology row or step) to the newest record; effective = per step of
+    the final trajectory (each step once, its newest attempt: `queries.steps`) the slowest rank's duration. Time lost
+    to kills, restarts, restores and replays is in the wall and not in effective, so effective <= wall."""
+    firsts = [int(v) for v in (  # type: ignore[arg-type]
+        frames.topology["start_wall_ns"].min() if frames.topology.height else None,
+        frames.steps["start_wall_ns"].min() if frames.steps.height else None,
+        frames.events["wall_ns"].min() if frames.events.height else None,
+    ) if v is not None]
+    start = min(firsts) if firsts else 0
+    end = max(int(frames.end_wall_ns or 0), start)
+    s = frames.steps
+    effective = float(s.group_by(_S).agg(pl.col("duration_ns").max())["duration_ns"].sum()) / 1e9 if s.height else 0.0
+    return start, end, (end - start) / 1e9, effective
+
+
 def build_views(frames: Frames, incidents: Sequence[Incident], *, run_dir: Path | str,
                 warnings: Sequence[str] = (), since_step: int | None = None,
                 con: duckdb.DuckDBPyConnection | None = None) -> RunViews:
     """Every view of one analysis from the frames it loaded (and, for collective progress, its connection)."""
     s = frames.steps
     topo = frames.topology
-    starts = topo["start_wall_ns"] if topo.height else s["start_wall_ns"]
-    start = int(starts.min()) if starts.len() else 0  # type: ignore[arg-type]
-    end = int(frames.end_wall_ns or 0)
+    start, end, wall, effective = run_span(frames)
     per_step = s.group_by(_S).agg(pl.col("duration_ns").max()) if s.height else None
-    effective = float(per_step["duration_ns"].sum()) / 1e9 if per_step is not None else 0.0
-    wall = max(0.0, (end - start) / 1e9)
     layout = ({k: int(topo[f"{k}_size"].max()) for k in ("dp", "tp", "pp")}  # type: ignore[arg-type]
               if topo.height else {})
     summary = ViewSummary(
