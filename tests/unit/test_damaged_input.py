@@ -220,7 +220,10 @@ DAMAGES = (
            "telemetry/steps/rank=3/part-"),
     *(_copied_part(table, rank) for table, rank in ((C, 2), (E, 1), (T, 6), (F, 0), (K, 7))),
     Damage("steps rows doubled in one part", lambda r: _rewrite(_part(r, S, 0), lambda t: pa.concat_tables([t, t])),
-           "twice in the one part", "telemetry/steps/rank=0/part-000000.parquet"),
+           "stored 2 times (", "telemetry/steps/rank=0/part-000000.parquet"),
+    Damage("steps rows ten times in one part",
+           lambda r: _rewrite(_part(r, S, 0), lambda t: pa.concat_tables([t] * 10)),
+           "(10 times in the one part)", "telemetry/steps/rank=0/part-000000.parquet"),
     # a rank's rows outside its folder
     Damage("straggler's rank folder renamed", lambda r: _move(_tel(r, S) / "rank=5", _tel(r, S) / "rank_5"),
            "not rank=<n>/", "telemetry/steps/rank_5"),

@@ -244,7 +244,8 @@ EXPORTS = {
     },
     "rankwatch.recovery.policy": {
         "DECISION_CASES", "DecisionCase", "DecisionRow", "RecurrenceView", "decide", "decision_rows",
-        "quarantine_targets", "render_decision_table", "single_run_quarantines", "write_decision_doc",
+        "hold_on_partial_input", "quarantine_targets", "render_decision_table", "single_run_quarantines",
+        "write_decision_doc",
     },
     "rankwatch.control": {
         "AlertConfigError", "AlertMessage", "AlertSender", "AlertTracker", "HttpTransport", "Manager",

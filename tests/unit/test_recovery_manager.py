@@ -72,6 +72,30 @@ def test_no_clean_checkpoint_restarts_from_step_zero_even_when_another_decision_
     assert "step 0" in plan.lines()[-1]
 
 
+def test_a_plan_from_partial_telemetry_restarts_nothing_and_says_why(tmp_path: Path) -> None:
+    """One rank's steps part cut short: the analysis leaves it out and says so; a corruption it reports (which the
+    missing rows could undo) is observed, not turned into a restart."""
+    from rankwatch.analytics.analyze import AnalysisConfig, analyze
+    from rankwatch.cli import main
+
+    out = tmp_path / "sim"
+    assert main(["simulate", "--ranks", "8", "--hosts", "2", "--layout", "dp=4,tp=2", "--steps", "30", "--out",
+                 str(out), "--no-phases"]) == 0
+    victim = next((out / "telemetry" / "steps" / "rank=3").glob("part-*.parquet"))
+    victim.write_bytes(victim.read_bytes()[:100])
+    analysis = analyze(out, config=AnalysisConfig(views=False))
+    assert len(analysis.left_out) == 1 and str(victim) in analysis.left_out[0]
+    corruption = _inc(IncidentClass.CORRUPTION, onset=12, ranks=(0,), cause=Cause.LOSS_OUTLIER)
+    whole = plan_recovery([corruption, _inc(IncidentClass.STRAGGLER)], job=CANARY, catalog=CATALOG)
+    assert whole.relaunch
+    partial = plan_recovery([corruption, _inc(IncidentClass.STRAGGLER)], job=CANARY, catalog=CATALOG,
+                            left_out=analysis.left_out)
+    assert not partial.relaunch and partial.checkpoint is None
+    held = next(d.decision for d in partial.decided if d.incident.klass is IncidentClass.CORRUPTION)
+    assert held.action is Action.OBSERVE and held.path[-2:] == ("input=partial", "-> observe")
+    assert held.reasons[0].startswith(f"held: decided from partial telemetry (1 part file(s) left out, first {victim}")
+
+
 def test_a_narrow_action_the_job_cannot_do_is_escalated_never_narrowed() -> None:
     # proven agreement + idempotent + pure dp: the policy rebuilds the dp group; the canary cannot, so it restarts
     job = JobDeclaration(membership=MembershipSupport.PURE_DP_RECONFIGURABLE_BATCH, idempotent=Idempotency.IDEMPOTENT)

@@ -74,6 +74,9 @@ class Analysis:
     notes: tuple[str, ...] = ()
     """What the detectors took as the job's design rather than a fault, one line each: random streams seeded per
     rank (`divergence.per_rank_notes`)."""
+    left_out: tuple[str, ...] = ()
+    """Part files the analysis could not read, one line each: its incidents were found without their rows, and a
+    recovery must not act on them as if it had them (`policy.hold_on_partial_input`)."""
 
 
 Progress = Callable[[str], None]
@@ -201,7 +204,7 @@ def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), p
     return Analysis(
         run_dir=run, incidents=incidents, ranks=frames.world_size, first_step=frames.first_step,
         last_step=frames.last_step,
-        warnings=warnings, seconds=tuple(timings), views=views, notes=notes,
+        warnings=warnings, seconds=tuple(timings), views=views, notes=notes, left_out=store.left_out,
     )
 
 

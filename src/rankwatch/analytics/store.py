@@ -121,6 +121,8 @@ class RunStore:
     """Tables with at least one readable part."""
     files: Mapping[Table, tuple[Path, ...]] = field(default_factory=dict)
     """The readable parts of each table (what the views read)."""
+    left_out: tuple[str, ...] = ()
+    """The part files left out (cut short, unreadable), one line each naming the file: the analysis is partial."""
 
 
 RELIST_TRIES = 5
@@ -166,7 +168,8 @@ def open_run(run_dir: Path | str, *, tables: Collection[Table] = ANALYZED_TABLES
             read[table] = tuple(good)
     if not kept:
         raise RunDirError(f"{tel}: none of its {len(every)} part files is readable")
-    return RunStore(con=con, warnings=tuple(warnings), parts=kept, tables=frozenset(present), files=read)
+    return RunStore(con=con, warnings=tuple(warnings), parts=kept, tables=frozenset(present), files=read,
+                    left_out=tuple(str(p) for p in problems))
 
 
 def _modified_since(files: list[Path], since_ns: int | None) -> list[Path]:

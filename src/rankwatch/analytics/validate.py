@@ -252,7 +252,8 @@ def _duplicate_error(con: duckdb.DuckDBPyConnection, table: Table, key: tuple[st
             "GROUP BY filename ORDER BY filename", list(values)).fetchall()]
     if not holders:
         return DamagedDataError(f"{table}: {what}: a copied part, or rows written twice")
-    others = f" and {len(holders) - 1} other part(s)" if len(holders) > 1 else " (twice in the one part)"
+    others = (f" and {len(holders) - 1} other part(s)" if len(holders) > 1
+              else f" ({times} times in the one part)")
     return DamagedDataError(f"{holders[0]}: {what}, in it{others}: a copied part, or rows written twice")
 
 

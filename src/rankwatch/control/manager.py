@@ -62,7 +62,7 @@ from rankwatch.recovery.decision import (
 from rankwatch.recovery.evidence import preserve_evidence
 from rankwatch.recovery.job import Job, JobDeclaration, LaunchResult
 from rankwatch.recovery.lineage import Details, Lineage, NewEntry, Verdict as LineageVerdict, lineage_path
-from rankwatch.recovery.policy import RecurrenceView, decide
+from rankwatch.recovery.policy import RecurrenceView, decide, hold_on_partial_input
 from rankwatch.recovery.resume import last_completed_step
 
 __all__ = [
@@ -164,11 +164,14 @@ def plan_recovery(
     catalog: CheckpointCatalogView,
     gate: GateResult | None = None,
     recurrence: Mapping[IncidentClass, RecurrenceView] | None = None,
+    left_out: Sequence[str] = (),
 ) -> RecoveryPlan:
-    """Decide for every incident and join the decisions (pure; see the module docstring)."""
+    """Decide for every incident and join the decisions (pure; see the module docstring). `left_out`: part files the
+    analysis behind `incidents` could not read; then nothing is restarted or rolled back (`hold_on_partial_input`)."""
     decided = tuple(
-        Decided(incident=i, decision=decide(i, gate, idempotent=job.idempotent, membership=job.membership,
-                                            catalog=catalog, recurrence=(recurrence or {}).get(i.klass)))
+        Decided(incident=i, decision=hold_on_partial_input(
+            decide(i, gate, idempotent=job.idempotent, membership=job.membership, catalog=catalog,
+                   recurrence=(recurrence or {}).get(i.klass)), left_out))
         for i in sort_incidents(incidents)
     )
     quarantines: dict[str, tuple[Target, str]] = {}
@@ -256,7 +259,7 @@ def assess(
         recurrence = {loc.klass: RecurrenceView.from_localization(loc) for loc in found
                       if loc.follows is not FollowsKind.INCONCLUSIVE}
     plan = plan_recovery(new, job=job, catalog=catalog_view(run_dir, layout), gate=gate,
-                         recurrence=recurrence)
+                         recurrence=recurrence, left_out=analysis.left_out)
     classes = {d.incident.klass for d in plan.decided}
     suspects = tuple(sorted({o.id for loc in found if loc.reshuffle and loc.klass in classes
                              for o in loc.by_device if o.implicated >= 2}))

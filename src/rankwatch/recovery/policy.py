@@ -81,7 +81,7 @@ from rankwatch.recovery.decision import (
 
 __all__ = [
     "DECISION_CASES", "DecisionCase", "DecisionRow", "RecurrenceView", "decide", "decision_rows",
-    "quarantine_targets", "render_decision_table", "single_run_quarantines", "write_decision_doc",
+    "hold_on_partial_input", "quarantine_targets", "render_decision_table", "single_run_quarantines", "write_decision_doc",
 ]
 
 TABLE_START = "<!-- decision-table:start -->"
@@ -154,6 +154,21 @@ def decide(
     else:
         d = _lost_rank(incident, gate, idempotent, membership, catalog, recurrence, path)
     return replace(d, path=(*d.path[:-1], _recurrence_label(d, recurrence), d.path[-1]))
+
+
+def hold_on_partial_input(d: Decision, left_out: Sequence[str]) -> Decision:
+    """`d`, held where the analysis behind it could not read every part file (`left_out`, one line each naming the
+    file): an action that stops, restarts or rolls back ranks becomes OBSERVE, since the rows of a part left out could
+    change or undo the incident it answers; an observation and a quarantine (which touches no rank) stand."""
+    if not left_out or d.action in (Action.OBSERVE, Action.QUARANTINE):
+        return d
+    first = left_out[0].split(" — ")[0].split(": ")[0]
+    why = (f"held: decided from partial telemetry ({len(left_out)} part file(s) left out, first {first}); their rows "
+           f"could change or undo this incident, so nothing is restarted or rolled back on it (was: {d.action}); "
+           "repair the part or move it aside and analyze again")
+    return Decision(action=Action.OBSERVE, target=None, scope=ScopeKind.NONE, ranks=(),
+                    path=(*d.path[:-1], "input=partial", "-> observe"), reasons=(why, *d.reasons),
+                    lineage=_IDENTICAL, also=tuple(a for a in d.also if a.action is Action.QUARANTINE))
 
 
 def _recurrence_label(d: Decision, recurrence: RecurrenceView | None) -> str:
