@@ -345,7 +345,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from rankwatch.simulator import SimConfig, parse_sim_fault, simulate
     from rankwatch.simulator.config import Timing
 
-    layout = Layout.parse(args.layout, nproc=args.ranks)
+    layout = Layout.parse(args.layout, nproc=args.ranks, flag="--ranks")
     cfg = SimConfig(name=args.name, layout=layout, hosts=args.hosts, steps=args.steps, seed=args.seed,
                     faults=tuple(parse_sim_fault(f) for f in args.fault), checkpoint_every=args.checkpoint_every,
                     fingerprint_every=args.fingerprint_every, phases=not args.no_phases, timing=Timing(args.timing))
@@ -391,8 +391,20 @@ def _watch(args: argparse.Namespace) -> int:
 def _drill(args: argparse.Namespace) -> int:
     from rankwatch.canary.drills import DRILLS
 
+    if args.list:
+        width = max(len(n) for n in DRILLS)
+        for name, spec in DRILLS.items():
+            print(f"{name:<{width}}  {spec.what}")
+        return 0
     if args.all == bool(args.names):
         raise ValueError(f"name drills or give --all, not both (drills: {', '.join(DRILLS)})")
+    unknown = [n for n in args.names if n not in DRILLS]
+    if unknown:
+        import difflib
+
+        near = difflib.get_close_matches(unknown[0], list(DRILLS), n=1)
+        raise ValueError(f"unknown drill '{unknown[0]}'" + (f" (did you mean '{near[0]}'?)" if near else "")
+                         + "; `rankwatch drill --list` shows them")
     return _run_drills(list(DRILLS) if args.all else list(args.names), Path(args.workdir))
 
 
@@ -766,8 +778,11 @@ def build_parser() -> argparse.ArgumentParser:
     _manager_parser(sub)
     dr = sub.add_parser("drill", help="fault drills on a live canary: inject a fault, time detection, decision and "
                                       "recovery through the manager service, check the result bitwise")
-    dr.add_argument("names", nargs="*", metavar="NAME", help="sigkill, exit, sigstop, straggler, hang (a name may repeat: one row each)")
-    dr.add_argument("--all", action="store_true", help="every drill, in that order")
+    dr.add_argument("names", nargs="*", metavar="NAME",
+                    help="drills to run, by name (`--list` shows every one and what it does; a name may repeat: one "
+                         "row each)")
+    dr.add_argument("--all", action="store_true", help="every drill, in the order `--list` shows")
+    dr.add_argument("--list", action="store_true", help="list every drill with what it injects, and exit")
     dr.add_argument("--workdir", type=Path, default=Path("runs/drills"),
                     help="the drills' runs, the cached reference run and report.json")
     db = sub.add_parser("dashboard", help="the incident dashboard (Streamlit) over one or more runs, on 127.0.0.1")

@@ -53,7 +53,7 @@ def test_analyze_bad_runs_get_one_line(tmp_path: Path, capsys: pytest.CaptureFix
         (["--fault", "bogus:rank=1"], "unknown kind 'bogus'"),
         (["--fault", "straggler:rank=99,from=3,slow=0.1"], "rank 99 outside world size 16"),
         (["--fault", "straggler:rank=1,from=x,slow=0.1"], "from='x' is not a valid value"),
-        (["--layout", "dp=3"], "the product must equal it"),
+        (["--layout", "dp=3"], "dp*tp*pp=3 but --ranks is 16; the product must equal it"),
         (["--hosts", "3"], "--hosts 3 must be >= 1 and divide the world size 16"),
     ],
 )
@@ -271,3 +271,13 @@ def test_the_incidents_table_fits_the_terminal(width: int) -> None:
     words = " ".join(line.strip() for line in text.splitlines())
     assert "148.6 %" in words and "rank:2" in words  # wrapped, not cut
     assert len(render_incidents(incidents).splitlines()) == 3  # without a width: one line each, as before
+
+
+def test_drill_lists_every_drill_and_suggests_a_near_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from rankwatch.canary.drills import DRILLS
+
+    assert main(["drill", "--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(DRILLS) and len(listed) >= 15
+    assert main(["drill", "sigkil"]) == 2
+    assert "unknown drill 'sigkil' (did you mean 'sigkill'?)" in capsys.readouterr().err

@@ -31,8 +31,9 @@ class Layout:
         return self.dp * self.tp * self.pp
 
     @classmethod
-    def parse(cls, text: str, *, nproc: int | None = None) -> Layout:
-        """Parse ``dp=2,tp=2,pp=2``; missing degrees are 1, and with `nproc` a missing dp takes the rest."""
+    def parse(cls, text: str, *, nproc: int | None = None, flag: str = "--nproc") -> Layout:
+        """Parse ``dp=2,tp=2,pp=2``; missing degrees are 1, and with `nproc` a missing dp takes the rest. `flag`: how
+        the caller's user gave the world size, for the error (``--nproc``, ``--ranks``, the world size)."""
         values: dict[str, int] = {}
         for item in filter(None, (p.strip() for p in text.split(","))):
             m = _LAYOUT_RE.match(item)
@@ -44,12 +45,12 @@ class Layout:
         if nproc is not None and "dp" not in values:
             rest = values.get("tp", 1) * values.get("pp", 1)
             if nproc % rest:
-                raise ValueError(f"bad layout {text!r}: tp*pp={rest} does not divide --nproc {nproc}")
+                raise ValueError(f"bad layout {text!r}: tp*pp={rest} does not divide {flag} {nproc}")
             values["dp"] = nproc // rest
         layout = cls(**values)
         if nproc is not None and layout.world_size != nproc:
             raise ValueError(
-                f"bad layout {text!r}: dp*tp*pp={layout.world_size} but --nproc is {nproc}; the product must equal it"
+                f"bad layout {text!r}: dp*tp*pp={layout.world_size} but {flag} is {nproc}; the product must equal it"
             )
         return layout
 
