@@ -594,7 +594,8 @@ def _dashboard(args: argparse.Namespace) -> int:
 def _postmortem(args: argparse.Namespace) -> int:
     from rankwatch.notebooks.runner import run_postmortem
 
-    out = run_postmortem(args.run_dir, out=args.out, incident=args.incident, html=args.html)
+    out = run_postmortem(args.run_dir, out=args.out, incident=args.incident, html=args.html,
+                         progress=lambda m: print(f"  .. {m}", file=sys.stderr, flush=True))
     print(f"rankwatch postmortem: {out}" + (f" and {args.html}" if args.html else ""))
     return 0
 

@@ -42,8 +42,12 @@ def test_committed_notebook_has_no_outputs_and_a_tagged_parameters_cell():
 
 @pytest.mark.slow  # executes the notebook
 def test_executes_on_a_run_with_figures_and_html(run: Path, tmp_path: Path):
-    out = run_postmortem(run, out=tmp_path / "report.ipynb", html=tmp_path / "report.html")
+    heard: list[str] = []
+    out = run_postmortem(run, out=tmp_path / "report.ipynb", html=tmp_path / "report.html", progress=heard.append)
     nb = nbformat.read(out, as_version=4)
+    code = sum(c.cell_type == "code" for c in nb.cells)
+    assert heard[0] == f"starting a kernel for {code} code cells" and len(heard) == code + 1  # a line per cell
+    assert heard[-1].startswith(f"cell {code}/{code}: ")
     outs = _outputs(nb)
     assert not [o for o in outs if o.output_type == "error"]
     assert not [o for o in outs if o.output_type == "stream" and o.name == "stderr"]

@@ -11,6 +11,7 @@ so a reader sees where it stopped.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +75,12 @@ def _failed_cell(nb: Any) -> tuple[int, str]:
 
 
 def run_postmortem(run_dir: Path | str, *, out: Path, incident: str | None = None, html: Path | None = None,
-                   timeout_s: float = DEFAULT_TIMEOUT_S, notebook: Path = NOTEBOOK) -> Path:
+                   timeout_s: float = DEFAULT_TIMEOUT_S, notebook: Path = NOTEBOOK,
+                   progress: Callable[[str], None] | None = None) -> Path:
     """Execute the post-mortem notebook on `run_dir` (about `incident`, or the run's most consequential one) and
     write it, executed, to `out` (and as HTML to `html`). Returns `out`. ValueError, one line naming the run, when
     a cell fails (a run that cannot be analysed, an unknown incident id) or times out; `out` then holds the
-    notebook executed up to the failing cell."""
+    notebook executed up to the failing cell. `progress` hears of each code cell as it starts."""
     os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
     import nbformat
     from nbclient import NotebookClient
@@ -95,6 +97,18 @@ def run_postmortem(run_dir: Path | str, *, out: Path, incident: str | None = Non
     client = NotebookClient(nb, kernel_name="python3", timeout=int(timeout_s), allow_errors=False,
                             record_timing=True, config=config,
                             resources={"metadata": {"path": str(out.parent.resolve())}})
+    if progress is not None:
+        code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+
+        def started(cell: Any, cell_index: int) -> None:
+            if cell_index not in code:  # nbclient calls it for markdown cells too
+                return
+            n = code.index(cell_index) + 1
+            first = next((line.lstrip("# ").strip() for line in str(cell.source).splitlines() if line.strip()), "")
+            progress(f"cell {n}/{len(code)}: {first[:70]}")
+
+        client.on_cell_start = started
+        progress(f"starting a kernel for {len(code)} code cells")
     failure: str | None = None
     try:
         client.execute(env=_kernel_env())
