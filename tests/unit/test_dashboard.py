@@ -169,3 +169,40 @@ def test_collectives_name_the_hung_rank_not_the_peers_blocked_by_it(monkeypatch:
     labels = {m.label: m.value for m in at.metric}
     assert labels["Ranks missing"] == "1" and int(labels["Members behind"]) > 1
     assert set(at.dataframe[0].value["rank"]) == {6}
+
+
+@pytest.mark.slow  # starts the real server
+@pytest.mark.timeout(180)
+def test_rankwatch_dashboard_stopped_by_sigterm_stops_its_server(run: Path, tmp_path: Path) -> None:
+    """`rankwatch dashboard` runs Streamlit in a session of its own; a supervisor's SIGTERM (or a closed terminal's
+    SIGHUP) to the command must take the server down too, and free the port. The start says no "No runtime found"."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from rankwatch.dashboard.serve import wait_ready
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "dashboard.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rankwatch.cli", "dashboard", str(run), "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(port, timeout_s=120)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) != 0:
+                    break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"port {port} still served after the command ended")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "No runtime found" not in log.read_text(errors="replace")

@@ -79,19 +79,46 @@ def stop(proc: subprocess.Popen[bytes], *, grace_s: float = 5.0) -> None:
         proc.wait()
 
 
+class _Stopped(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def serve(run_dirs: Sequence[Path], *, port: int, address: str = "127.0.0.1") -> int:
-    """Run the dashboard in the foreground until Ctrl-C; its exit code."""
+    """Run the dashboard in the foreground until Ctrl-C, SIGTERM (a supervisor) or SIGHUP (a closed terminal), each
+    of which stops the server too (it runs in a session of its own, so no signal reaches it otherwise); the exit
+    code (128 + the signal's number after a signal)."""
+    import signal
+
     check_runs(run_dirs)
     print(f"rankwatch dashboard: http://{address}:{port}/  ({len(run_dirs)} run(s); Ctrl-C stops it)", flush=True)
     proc = start(run_dirs, port=port, address=address, quiet=False)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise _Stopped(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return proc.wait()
     except KeyboardInterrupt:
         stop(proc)
         return 130
+    except _Stopped as stopped:
+        stop(proc)
+        return 128 + stopped.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":  # the server process: preload what every page imports, then Streamlit's own command line
+    import logging
+
+    from streamlit import logger as _st_logger
+
+    # cached functions defined before Streamlit's runtime exists each warn "No runtime found" (13 lines at start)
+    _st_logger.get_logger("streamlit.runtime.caching.cache_data_api").setLevel(logging.ERROR)
     import rankwatch.dashboard.data  # noqa: F401  (rankwatch.analytics and its libraries)
     import altair  # noqa: F401
     from streamlit.web import cli
