@@ -108,6 +108,7 @@ def test_heatmap_drill_down(monkeypatch: pytest.MonkeyPatch, run: Path) -> None:
     at = _app(monkeypatch, run).run()
     at.switch_page("pages/heatmap.py").run()
     assert at.number_input(key="rank").value == STRAGGLER
+    assert at.selectbox(key="metric").value == "compute_ms"  # opens where a straggler stands out
     at.selectbox(key="metric").select("late_ms").run()
     at.number_input(key="rank").set_value(3).run()
     assert not at.exception, at.exception

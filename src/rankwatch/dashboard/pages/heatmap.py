@@ -10,7 +10,9 @@ import streamlit as st
 
 from rankwatch.dashboard import charts, data, ui
 
-METRICS = ("step_ms", "late_ms", "compute_ms", "wait_ms")
+METRICS = ("compute_ms", "late_ms", "step_ms", "wait_ms")
+"""The first is the default: a rank's own work. In step time every rank waits for the slowest in lockstep, so a
+straggler does not stand out there; in compute time it does."""
 _RANK = "rank"
 
 
@@ -36,7 +38,10 @@ def main() -> None:
     lb = store.frame("leaderboard")
     ranks = max(store.summary.ranks, 1)
     st.session_state.setdefault(_RANK, int(lb["rank"][0]) if lb.height else 0)
-    metric = st.selectbox("Metric", METRICS, key="metric")
+    metric = st.selectbox("Metric", METRICS, key="metric", help=(
+        "compute_ms: each rank's own work (where a straggler stands out); late_ms: how late it reached the step's "
+        "collectives; step_ms: wall time a step (the same on every rank that waits in lockstep); wait_ms: time in "
+        "collectives"))
     cells = data.heatmap(*k, metric)
     st.altair_chart(charts.heatmap(cells, metric), key="heatmap_chart", on_select=lambda: _pick(
         "heatmap_chart", charts.HEATMAP_PICK, lb), selection_mode=charts.HEATMAP_PICK)
