@@ -25,7 +25,9 @@ def _summary(store: views.ViewStore) -> None:
     c.metric("Step rate", f"{s.steps_per_s:.2f} steps/s", help="Steps of the final trajectory per wall second")
     d.metric("Effective training time", f"{s.effective_s:,.1f} s", help=views.ViewSummary.__doc__)
     e.metric("Goodput", f"{s.goodput:.1%}", help=f"effective training time of {s.wall_s:,.1f} s wall time")
-    f.metric("Incidents", s.incidents)
+    f.metric("Incidents", len(data.incidents(*data.key(store))),  # the Incidents page's list, counted
+             help="the analysis' incidents and those only the live loop's recovery records carry (a fail-stop "
+                  "recovered before the part files showed it)")
     st.caption(f"{layout}, {s.hosts} hosts, clock {s.clock}; views built "
                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(s.built_wall_ns / 1e9))}")
 
