@@ -91,7 +91,9 @@ def test_incident_table_and_selectbox(monkeypatch: pytest.MonkeyPatch, run: Path
     at.selectbox(key="incident").select(straggler_id).run()
     assert not at.exception, at.exception
     assert f"Incident {straggler_id}" in [h.value for h in at.header]
-    assert "Gates:" in _text(at) and "a slow rank is not a failed rank" in _text(at)
+    text = _text(at)
+    assert "How it was decided:" in text and "a slow rank is not a failed rank" in text
+    assert "**observe** — nothing to apply: the job is left as it is" in text  # not "observe (proposed, outcome: ...)"
     assert at.query_params.get("incident") == straggler_id
 
 
@@ -207,3 +209,14 @@ def test_rankwatch_dashboard_stopped_by_sigterm_stops_its_server(run: Path, tmp_
         if proc.poll() is None:
             proc.kill()
     assert "No runtime found" not in log.read_text(errors="replace")
+
+
+def test_a_decision_reads_the_same_way_whatever_its_state() -> None:
+    from rankwatch.dashboard.ui import decision_line
+
+    base = {"action": "restart_job", "target": "checkpoint:step-00000019", "record": "dry-run", "outcome": "proposed"}
+    assert decision_line({**base, "status": "proposed"}, "runs/r") == (
+        "**restart_job checkpoint:step-00000019** — proposed, not applied (a dry run, `dry-run`); to carry it out: "
+        "`rankwatch recover runs/r --apply`")
+    assert decision_line({**base, "status": "applied", "record": "recovery-1", "outcome": "relaunched"}, "runs/r") == (
+        "**restart_job checkpoint:step-00000019** — applied (`recovery-1`): relaunched")

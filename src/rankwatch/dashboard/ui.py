@@ -60,3 +60,15 @@ def ns_to_age(df: pl.DataFrame, now_ns: int) -> pl.DataFrame:
     if {"last_heartbeat_wall_ns", "last_step_end_wall_ns"} <= set(df.columns):
         return views.heartbeat_age(df, now_ns)
     return df
+
+
+def decision_line(d: dict[str, Any], run_dir: str) -> str:
+    """One decision's state, said the same way for every action: what, whether it was carried out, and the command
+    that carries out a proposed one."""
+    action = d["action"] + (f" {d['target']}" if d["target"] else "")
+    if d["status"] == "applied":
+        return f"**{action}** — applied (`{d['record']}`): {d['outcome']}"
+    if d["action"] == "observe":
+        return f"**{action}** — nothing to apply: the job is left as it is"
+    return (f"**{action}** — proposed, not applied (a dry run, `{d['record']}`); to carry it out: "
+            f"`rankwatch recover {run_dir} --apply`")

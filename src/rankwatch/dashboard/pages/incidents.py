@@ -38,15 +38,16 @@ def _section(title: str, df: pl.DataFrame, key: str, empty: str) -> None:
         st.caption(empty)
 
 
-def _decisions(dec: pl.DataFrame) -> None:
-    st.markdown("**Decision: its path through the recovery gates**")
+def _decisions(dec: pl.DataFrame, run_dir: str) -> None:
+    st.markdown("**Decision**")
     if not dec.height:
-        st.caption("Nothing was decided for this incident.")
+        st.caption("No recovery was planned for this incident yet: `rankwatch recover` (or the recovery manager) "
+                   "decides one.")
         return
     for d in dec.iter_rows(named=True):
-        action = d["action"] + (f" {d['target']}" if d["target"] else "")
-        st.markdown(f"`{d['record']}` — **{action}** ({d['status']}, outcome: {d['outcome']})")
-        st.markdown("Gates: " + " → ".join(f"`{p}`" for p in d["path"]) if d["path"] else "Gates: none recorded")
+        st.markdown(ui.decision_line(d, run_dir))
+        st.markdown("How it was decided: " + " → ".join(f"`{p}`" for p in d["path"]) if d["path"]
+                    else "How it was decided: not recorded")
         for r in d["reasons"]:
             st.markdown(f"- {r}")
         if d["comparability"]:
@@ -78,7 +79,7 @@ def _detail(store: views.ViewStore, inc: Incident) -> None:
     _section("Checkpoint phases around the onset", det.checkpoints, "incident_checkpoints",
              "No checkpoint phase around the onset.")
     _section("Fingerprints that disagree", det.fingerprints, "incident_fingerprints", "Every fingerprint agrees.")
-    _decisions(det.decisions)
+    _decisions(det.decisions, str(store.run_dir))
     st.markdown("**Evidence**")
     if not inc.evidence:
         st.caption("The detector attached no evidence rows.")

@@ -30,8 +30,15 @@ def main() -> None:
     st.subheader("Quarantine list")
     if q.height:
         ui.table(q, key="quarantine")
-    else:
-        st.caption("Nothing is quarantined.")
+    dec = data.decisions(str(store.run_dir))
+    proposed = dec.filter((pl.col("action") == "quarantine") & (pl.col("status") == "proposed")) if dec.height else dec
+    applied = {f"{k}:{i}" for k, i in q.select("kind", "id").iter_rows()} if q.height else set()
+    pending = sorted({str(t) for t in proposed["target"].to_list() if t} - applied)
+    if pending:
+        st.warning(f"Proposed, not applied: quarantine of {', '.join(pending)} (a dry run); to carry it out: "
+                   f"`rankwatch recover {store.run_dir} --apply`")
+    if not q.height:
+        st.caption("Nothing is quarantined yet." if pending else "Nothing is quarantined.")
 
 
 main()
