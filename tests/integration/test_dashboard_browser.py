@@ -142,7 +142,7 @@ def test_clicking_into_the_straggler_opens_its_evidence(page: Any, server: str, 
                            timeout=60_000)
     page.wait_for_timeout(500)
     body = page.locator("[data-testid='stMain']").inner_text()
-    assert incident.summary[:40] in body and "gate" in body.lower(), body[:2000]
+    assert incident.summary[:40] in body and "how it was decided" in body.lower(), body[:2000]
     assert f"incident={incident.id}" in page.url
     page.locator("[data-testid='stVegaLiteChart']").first.wait_for(timeout=60_000)  # the subject against its peers
     page.screenshot(path=str(_shots(tmp_path) / "incident.png"), full_page=True)
