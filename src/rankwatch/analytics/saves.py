@@ -22,13 +22,7 @@ from rankwatch.base.schema import CheckpointPhase, EventKind
 __all__ = ["detect_failed_saves", "failed_saves"]
 
 _FAILED = re.compile(r"^checkpoint (?P<id>\S+) not committed: (?P<reason>.*?)(?:; partial |$)")
-_STEP = re.compile(r"(\d+)$")
 _FULL = ("no space left on device", "enospc", "errno 28", "disk quota exceeded", "edquot")
-
-
-def _step_of(checkpoint_id: str) -> int | None:
-    m = _STEP.search(checkpoint_id)
-    return int(m.group(1)) if m else None
 
 
 def detect_failed_saves(frames: Frames) -> tuple[Incident, ...]:
@@ -37,13 +31,13 @@ def detect_failed_saves(frames: Frames) -> tuple[Incident, ...]:
     if ev.height == 0:
         return ()
     failed = ev.filter(pl.col("kind") == str(EventKind.CHECKPOINT_FAILED)).sort("wall_ns")
-    saves: dict[str, tuple[int | None, str, int, int]] = {}  # id -> (step, reason, wall_ns, rank)
+    saves: dict[str, tuple[int | None, str, int]] = {}  # id -> (step, reason, wall_ns): every rank records it
     for row in failed.iter_rows(named=True):
         m = _FAILED.match(str(row["message"] or ""))
         if m is None:
             continue
-        saves.setdefault(m.group("id"), (_step_of(m.group("id")), m.group("reason"), int(row["wall_ns"]),
-                                         int(row["rank"])))
+        step = row["step"]
+        saves.setdefault(m.group("id"), (None if step is None else int(step), m.group("reason"), int(row["wall_ns"])))
     if not saves:
         return ()
     ck = frames.checkpoints
@@ -51,7 +45,7 @@ def detect_failed_saves(frames: Frames) -> tuple[Incident, ...]:
     steps = [s for s, *_ in saves.values() if s is not None]
     first_fail = min(steps) if steps else None
     last_ok = int(committed["step"].max()) if committed.height else None  # type: ignore[arg-type]
-    reasons = [r for _, r, _, _ in saves.values()]
+    reasons = [r for _, r, _ in saves.values()]
     full = [r for r in reasons if any(k in r.lower() for k in _FULL)]
     cause = Cause.STORAGE_FULL if full else Cause.CHECKPOINT_IO
     why = full[0] if full else reasons[0]
@@ -62,11 +56,11 @@ def detect_failed_saves(frames: Frames) -> tuple[Incident, ...]:
     summary = (f"{len(saves)} checkpoint save(s) committed nothing"
                + (" (the disk was full)" if full else "") + f": {why}; {since}, "
                f"{max(0, at_risk)} step(s) trained since have no recovery point")
-    rows = tuple((cid, s, r[:200]) for cid, (s, r, _, _) in sorted(saves.items(), key=lambda kv: kv[1][2]))
+    rows = tuple((cid, s, r[:200]) for cid, (s, r, _) in sorted(saves.items(), key=lambda kv: kv[1][2]))
     return (Incident(
         klass=IncidentClass.CHECKPOINT, subject=Subject(kind=SubjectKind.JOB, id="checkpoints"), ranks=(),
         onset_step=first_fail, detection_step=first_fail, confidence=1.0, cause=cause, summary=summary,
-        detection_wall_ns=min(w for _, _, w, _ in saves.values()),
+        detection_wall_ns=min(w for _, _, w in saves.values()),
         evidence=(Evidence(source="events", summary="checkpoint saves that committed nothing, and why",
                            columns=("checkpoint_id", "step", "reason"), rows=rows),),
     ),)
