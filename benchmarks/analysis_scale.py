@@ -159,7 +159,7 @@ def main() -> int:
     if not (run / "labels.json").exists():
         cfg = SimConfig(name="scale", layout=Layout.parse(args.layout, nproc=args.ranks), hosts=args.hosts,
                         steps=args.steps, seed=7, checkpoint_every=250,
-                        faults=(parse_sim_fault(f"straggler:rank={args.ranks // 3},from={args.steps // 2},slow=0.1"),))
+                        faults=(parse_sim_fault(f"gpu_slow:rank={args.ranks // 3},from={args.steps // 2},factor=1.1"),))
         t0 = time.perf_counter()
         simulate(cfg, run)
         print(f"simulated {args.ranks} ranks x {args.steps} steps in {time.perf_counter() - t0:.1f}s -> {run}")

@@ -329,7 +329,7 @@ def _launch_pair(args: argparse.Namespace, root: Path, repeat: int) -> dict[str,
     """Run the ON and the OFF job at the same time (the first of `_order(repeat)` is started first); returns
     each arm's launch timing and clocks."""
     from rankwatch.base.rundir import STEP_TIMES_DIR
-    from rankwatch.canary.launch import launch
+    from rankwatch.canary.launcher import launch
     from rankwatch.recovery.job import LaunchResult
 
     cfgs = {arm: _config(args, root, repeat, arm) for arm in (ON, OFF)}

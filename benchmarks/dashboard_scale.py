@@ -55,7 +55,7 @@ def once(at):
     return time.perf_counter() - t0
 at = AppTest.from_file(app, default_timeout=600)
 if page != "progress":
-    at.switch_page(f"pages/{page}.py")
+    at.switch_page(f"screens/{page}.py")
 cold = once(at)
 errors = [str(e.value)[:200] for e in at.exception] + [str(e.value)[:200] for e in at.error]
 warm = once(at)
@@ -81,7 +81,7 @@ def _ensure_run(args: argparse.Namespace) -> Path:
         t0 = time.perf_counter()
         cfg = SimConfig(name="dashboard-scale", layout=Layout.parse(args.layout, nproc=args.ranks), hosts=args.hosts,
                         steps=args.steps, seed=11, checkpoint_every=max(1, args.steps // 4),
-                        faults=(parse_sim_fault(f"straggler:rank={args.ranks // 3},from={args.steps // 2},slow=0.1"),))
+                        faults=(parse_sim_fault(f"gpu_slow:rank={args.ranks // 3},from={args.steps // 2},factor=1.1"),))
         simulate(cfg, run)
         print(f"simulated {args.ranks} ranks x {args.steps} steps in {time.perf_counter() - t0:.1f} s -> {run}")
     if views.stored_views(run) is None:

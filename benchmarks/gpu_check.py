@@ -262,7 +262,7 @@ def _canary_config(run_dir: Path, *, layout: str, steps: int, faults: Any, cuda:
 
 
 def _launch(cfg: Any) -> Any:
-    from rankwatch.canary.launch import launch
+    from rankwatch.canary.launcher import launch
 
     result = launch(cfg, timeout_s=150, failure_grace_s=cfg.pg_timeout_s + 5, term_grace_s=3.0)
     if not result.ok:

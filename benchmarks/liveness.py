@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/liveness.py [--kills 5] [--stops 2] [--hangs 2] [--layout dp=2,tp=2]
                                             [--heartbeat 1.0] [--poll 0.1] [--seed 0] [--json OUT] [--keep DIR]
 
-Each trial launches a fresh canary (`canary.launch.launch` on a thread of this process: gloo ranks on CPU, the tests'
+Each trial launches a fresh canary (`canary.launcher.launch` on a thread of this process: gloo ranks on CPU, the tests'
 small model, collectors with the default 5 s part-file interval and a `--heartbeat` s heartbeat, a 60 s process-group
 timeout) and polls a `LivenessMonitor` on its run directory every `--poll` s from the main thread, as `rankwatch watch`
 would. A randomly chosen rank is hit once its liveness record shows a randomly drawn step (10..40) completed; its pid

@@ -19,7 +19,7 @@ LAYOUT = Layout(dp=4, tp=2, pp=2)
 STRAGGLER = 5
 
 
-def analyzed_run(out: Path, *, steps: int = 300, faults: tuple[str, ...] = (f"straggler:rank={STRAGGLER},from=100,slow=0.3",),
+def analyzed_run(out: Path, *, steps: int = 300, faults: tuple[str, ...] = (f"gpu_slow:rank={STRAGGLER},from=100,factor=1.3",),
                  seed: int = 3) -> Path:
     """Simulate, analyse with views, decide a dry-run plan, and start a lineage: the run a user opens."""
     cfg = SimConfig(name="views", layout=LAYOUT, hosts=4, steps=steps, seed=seed, checkpoint_every=100,

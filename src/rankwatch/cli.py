@@ -88,7 +88,7 @@ def _canary_config(args: argparse.Namespace) -> CanaryConfig:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rankwatch.canary.launch import launch
+    from rankwatch.canary.launcher import launch
 
     if args.rollup_every is not None and args.rollup_every <= 0:
         raise ValueError(f"--rollup-every must be > 0 seconds, got {args.rollup_every}")
@@ -194,7 +194,7 @@ def _demo(args: argparse.Namespace) -> int:
     from rankwatch.base.topology import Layout
     from rankwatch.canary.config import CanaryConfig
     from rankwatch.canary.faults import Faults
-    from rankwatch.canary.launch import launch
+    from rankwatch.canary.launcher import launch
 
     run_dir: Path = args.run_dir
     if run_dir.exists():
@@ -314,9 +314,35 @@ def _analyze_run(run_dir: Path, *, as_json: bool = False, window: int | None = N
     print(f"rankwatch analyze: {run_dir}: {analysis.ranks} ranks, {_steps_text(analysis)}, "
           f"{len(analysis.incidents)} incident(s) in {took:.1f}s")
     print(render_incidents(analysis.incidents, width=terminal_width()))
+    _say_recorded(run_dir, {i.id for i in analysis.incidents})
     if saved is not None:
         print(f"written: {saved[0]} and {saved[1].name}")
     return 0
+
+
+def _say_recorded(run_dir: Path, seen: set[str]) -> None:
+    """Incidents only the recovery records carry (a fail-stop the live loop recovered: the final telemetry shows a
+    completed attempt), with what became of each: an analysis that says "no incidents" must not hide them."""
+    from rankwatch.analytics import views
+    from rankwatch.analytics.errors import RunDirError
+
+    try:
+        recorded = [i for i in views.recorded_incidents(run_dir) if i.id not in seen]
+        states = views.incident_states(recorded, views.decisions(run_dir), str(run_dir)) if recorded else None
+    except RunDirError as exc:
+        print(f"rankwatch analyze: warning: the recovery records could not be read: {exc}", file=sys.stderr)
+        return
+    if states is None:
+        return
+    import textwrap
+
+    width = terminal_width()
+    print(f"recovered live, recorded by the recovery manager ({len(recorded)}):")
+    for inc, row in zip(recorded, states.iter_rows(named=True)):
+        print(f"  {inc.klass} {inc.subject} in step {inc.onset_step} (attempt {inc.attempt}): {row['state']}")
+        for label in ("decision", "next_step"):
+            print(textwrap.fill(f"{label.replace('_', ' ')}: {row[label]}", width=width, initial_indent="    ",
+                                subsequent_indent="      "))
 
 
 def terminal_width() -> int:
@@ -341,14 +367,17 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from rankwatch.base.topology import Layout
     from rankwatch.simulator import SimConfig, parse_sim_fault, simulate
     from rankwatch.simulator.config import Timing
 
     layout = Layout.parse(args.layout, nproc=args.ranks, flag="--ranks")
     cfg = SimConfig(name=args.name, layout=layout, hosts=args.hosts, steps=args.steps, seed=args.seed,
-                    faults=tuple(parse_sim_fault(f) for f in args.fault), checkpoint_every=args.checkpoint_every,
-                    fingerprint_every=args.fingerprint_every, phases=not args.no_phases, timing=Timing(args.timing))
+                    checkpoint_every=args.checkpoint_every, fingerprint_every=args.fingerprint_every,
+                    phases=not args.no_phases, timing=Timing(args.timing))
+    cfg = replace(cfg, faults=tuple(parse_sim_fault(f, cfg) for f in args.fault))  # seconds and slots need the run
     print(f"rankwatch simulate: {layout.world_size} ranks ({layout}) on {args.hosts} hosts, {args.steps} steps, "
           f"{args.timing} timing -> {args.out}")
     result = simulate(cfg, args.out)
@@ -490,7 +519,7 @@ def _recover(args: argparse.Namespace) -> int:
     from rankwatch.analytics.analyze import input_warnings
     from rankwatch.base.rundir import RunDir
     from rankwatch.canary.config import config_from_run
-    from rankwatch.canary.launch import launch
+    from rankwatch.canary.launcher import launch
     from rankwatch.control.manager import apply, assess, recurrence_from
 
     cfg = config_from_run(args.run_dir)
@@ -567,7 +596,7 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:
 
 def _manager(args: argparse.Namespace) -> int:
     from rankwatch.canary.config import config_from_run
-    from rankwatch.canary.launch import CanaryLauncher
+    from rankwatch.canary.launcher import CanaryLauncher
     from rankwatch.control.service import serve
 
     if (args.nproc is None) != (args.steps is None):
@@ -696,6 +725,22 @@ def _unknown_command(parser: argparse.ArgumentParser, raw: list[str]) -> str | N
     return f"rankwatch: error: unknown command '{raw[0]}'{hint}; `rankwatch --help` lists them"
 
 
+_SIM_FAULT_HELP = (
+    "train's spelling, keys and units (delays in seconds): slow:rank=,from=,delay=,until=,period=,burst=; "
+    "exit:rank=,step=,code=; kill:rank=,step=,signal=; hang:rank=,step=; "
+    "bitflip:rank=,step=,target=,bit=,param=,index=; skew_rng:rank=,step=; skew_data:rank=,step=,offset=; "
+    "throttle:rank=,from=,delay=,until=,reason=; "
+    "bad_device:host=,index=,from=,delay=,until=,reason=; gpu_slow:rank=,from=,factor=,until= (simulate also takes "
+    "in_collective= on exit and kill, alive=,killed=,kill_after= on hang, hardware= on bitflip); simulate only: "
+    "slow_link:hosts=,from=,factor=; dataloader:rank=,from=,delay=,until=,period=,burst=; "
+    "host_dataloader:host=,from=,delay=; stage_imbalance:stage=,from=,factor=; data_skew:count=,from=,factor=; "
+    "vanish:rank=,step=,in_collective=,killed=; divergence:step=,field=,ranks=,replica=,offset=; "
+    "corruption:rank=,step=,kind=,hardware=,factor=,duration=; slow_hardware:rank=,factor=; throttle_bit_only:rank=; "
+    "steady_counters:rank=,sbe=,pcie_replay=; train only: nudge, freeze, failing_device, device_error"
+)
+"""simulator.faults.SIM_FAULT_HELP, spelled out: importing the simulator takes seconds (test_cli pins the two)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line (`main` parses with it; tests walk it)."""
     from rankwatch import __version__
@@ -730,10 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--layout", default="", help="dp=N,tp=N,pp=N (product = --ranks)")
     sim.add_argument("--steps", type=int, required=True, help="training steps")
     sim.add_argument("--out", type=Path, required=True, help="the run directory to write")
-    sim.add_argument("--fault", action="append", default=[], metavar="SPEC",
-                     help="e.g. straggler:rank=5,from=100,slow=0.1 (kinds: straggler, host_dataloader, slow_link, "
-                          "stage_imbalance, data_skew, fail_stop, hang, divergence, corruption, slow_hardware, "
-                          "throttle_bit_only, steady_counters)")
+    sim.add_argument("--fault", action="append", default=[], metavar="SPEC", help=f"inject a fault: {_SIM_FAULT_HELP}")
     sim.add_argument("--seed", type=int, default=0, help="seed of the noise and the faults")
     sim.add_argument("--name", default="sim", help="the run's name in its labels")
     sim.add_argument("--checkpoint-every", type=int, default=0, help="a checkpoint every N steps (0: none)")

@@ -16,7 +16,7 @@ from rankwatch.base.rundir import CHECKPOINT_DIR, RECOVERY_DIR
 from rankwatch.base.schema import Comparability
 from rankwatch.canary import Faults
 from rankwatch.canary.config import canary_declaration, config_from_run
-from rankwatch.canary.launch import launch
+from rankwatch.canary.launcher import launch
 from rankwatch.control.manager import apply, assess, supervise
 from rankwatch.recovery.catalog import rank_shard_name, sha256_file
 from rankwatch.recovery.decision import Action

@@ -24,7 +24,7 @@ from rankwatch.analytics.incidents import Cause, Incident, IncidentClass, Subjec
 from rankwatch.base.rundir import MANAGER_DIR, RECOVERY_DIR, STATE_FILE
 from rankwatch.canary.config import config_from_run
 from rankwatch.canary.faults import Faults
-from rankwatch.canary.launch import CanaryLauncher
+from rankwatch.canary.launcher import CanaryLauncher
 from rankwatch.control.service import ManagerService
 from support import canary, rows
 

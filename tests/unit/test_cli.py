@@ -51,8 +51,8 @@ def test_analyze_bad_runs_get_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     ("argv", "expected"),
     [
         (["--fault", "bogus:rank=1"], "unknown kind 'bogus'"),
-        (["--fault", "straggler:rank=99,from=3,slow=0.1"], "rank 99 outside world size 16"),
-        (["--fault", "straggler:rank=1,from=x,slow=0.1"], "from='x' is not a valid value"),
+        (["--fault", "gpu_slow:rank=99,from=3,factor=1.1"], "rank 99 outside world size 16"),
+        (["--fault", "gpu_slow:rank=1,from=x,factor=1.1"], "from='x' is not a valid value"),
         (["--layout", "dp=3"], "dp*tp*pp=3 but --ranks is 16; the product must equal it"),
         (["--hosts", "3"], "--hosts 3 must be >= 1 and divide the world size 16"),
     ],
@@ -72,7 +72,7 @@ def test_simulate_bad_input(argv: list[str], expected: str, tmp_path: Path, caps
 def test_simulate_analyze_and_localize(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sim"
     assert main(["simulate", "--ranks", "16", "--hosts", "2", "--layout", "dp=4,tp=2,pp=2", "--steps", "60",
-                 "--out", str(out), "--fault", "straggler:rank=5,from=30,slow=0.3", "--no-phases"]) == 0
+                 "--out", str(out), "--fault", "gpu_slow:rank=5,from=30,factor=1.3", "--no-phases"]) == 0
     assert "expect straggler rank:5 from step 30" in capsys.readouterr().out
     assert main(["analyze", str(out), "--json", "--quiet"]) == 0
     import json
@@ -101,7 +101,7 @@ def test_analyze_warns_about_a_cut_part_and_goes_on(tmp_path: Path, capsys: pyte
 def test_watch_reports_each_incident_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sim"
     assert main(["simulate", "--ranks", "16", "--hosts", "2", "--layout", "dp=4,tp=2,pp=2", "--steps", "60",
-                 "--out", str(out), "--fault", "straggler:rank=5,from=30,slow=0.3", "--no-phases"]) == 0
+                 "--out", str(out), "--fault", "gpu_slow:rank=5,from=30,factor=1.3", "--no-phases"]) == 0
     capsys.readouterr()
     assert main(["watch", str(out), "--window", "40", "--every", "0", "--count", "2", "--no-anomaly"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -123,7 +123,7 @@ def test_evidence_of_analyzed_incidents(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["evidence", str(out)]) == 2  # no run, no analysis: one line
     assert capsys.readouterr().err.count("\n") == 1
     assert main(["simulate", "--ranks", "16", "--hosts", "2", "--layout", "dp=4,tp=2,pp=2", "--steps", "60",
-                 "--out", str(out), "--fault", "straggler:rank=5,from=30,slow=0.3", "--no-phases"]) == 0
+                 "--out", str(out), "--fault", "gpu_slow:rank=5,from=30,factor=1.3", "--no-phases"]) == 0
     assert main(["analyze", str(out), "--quiet", "--no-anomaly"]) == 0
     capsys.readouterr()
     assert main(["evidence", str(out)]) == 0
@@ -148,7 +148,7 @@ def test_watch_sends_each_incident_signed_to_the_webhook_once(tmp_path: Path, ca
 
     out = tmp_path / "sim"
     assert main(["simulate", "--ranks", "16", "--hosts", "2", "--layout", "dp=4,tp=2,pp=2", "--steps", "60",
-                 "--out", str(out), "--fault", "straggler:rank=5,from=30,slow=0.3", "--no-phases"]) == 0
+                 "--out", str(out), "--fault", "gpu_slow:rank=5,from=30,factor=1.3", "--no-phases"]) == 0
     secret = tmp_path / "secret"
     assert main(["webhook-secret", str(secret)]) == 0
     assert main(["webhook-secret", str(secret)]) == 2  # never overwritten
@@ -281,3 +281,59 @@ def test_drill_lists_every_drill_and_suggests_a_near_name(capsys: pytest.Capture
     assert listed == list(DRILLS) and len(listed) >= 15
     assert main(["drill", "sigkil"]) == 2
     assert "unknown drill 'sigkil' (did you mean 'sigkill'?)" in capsys.readouterr().err
+
+
+# -- one fault syntax for train and simulate ------------------------------------------------------------------------
+
+
+def test_train_and_simulate_help_list_the_shared_kinds_with_the_same_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    from rankwatch.canary.faults import FAULT_KEYS, FaultKind
+    from rankwatch.cli import build_parser
+    from rankwatch.simulator.faults import SHARED_KINDS, SIM_FAULT_HELP
+
+    monkeypatch.setenv("COLUMNS", "4000")  # no wrapping inside a spec
+    commands = dict(_walk(build_parser()))
+    text = {name: " ".join(commands[(name,)].format_help().split())  # type: ignore[attr-defined]
+            for name in ("train", "simulate")}
+    assert SIM_FAULT_HELP in text["simulate"]  # cli.py spells the simulator's vocabulary out: the same words
+    for kind in SHARED_KINDS:
+        listed = {name: re.findall(rf"(?<![\w]){kind}:((?:\w+=,?)*)", help_text) for name, help_text in text.items()}
+        assert listed["train"] == listed["simulate"] == [",".join(f"{key}=" for key in FAULT_KEYS[FaultKind(kind)])]
+    for old in ("straggler:", "fail_stop:", "slow="):
+        assert old not in text["simulate"]
+
+
+@pytest.mark.parametrize(
+    ("command", "spec", "expected"),
+    [
+        ("train", "slwo:rank=1,delay=0.1", "unknown fault 'slwo' in 'slwo:rank=1,delay=0.1' (did you mean 'slow'?)"),
+        ("simulate", "slwo:rank=1,delay=0.01", "sim fault 'slwo:rank=1,delay=0.01': unknown kind 'slwo' (did you "
+                                               "mean 'slow'?)"),
+        ("simulate", "freeze:rank=1,step=3,seconds=2", "sim fault 'freeze:rank=1,step=3,seconds=2': freeze is a "
+                                                       "train-only fault"),
+        ("simulate", "slow:rank=1,delay=0.2", "delay=0.2 is 245% of rank 1's compute (0.0816 s a step); the "
+                                              "simulator models delay=0.00408..0.0816"),  # pp=1: loss on every rank
+    ],
+)
+def test_a_mistyped_or_train_only_fault_is_one_line(command: str, spec: str, expected: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    argv = (["train", "--nproc", "4", "--steps", "2", "--run-dir", str(tmp_path / "run")] if command == "train" else
+            ["simulate", "--ranks", "16", "--hosts", "4", "--steps", "20", "--out", str(tmp_path / "run")])
+    assert main([*argv, "--fault", spec]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("timing", "cause"), [("cpu", "unknown"), ("gpu", "host_stall")])
+def test_simulate_takes_trains_spelling(timing: str, cause: str, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Train's `slow` is a stall of the rank's host thread: on the device clock told apart as host_stall."""
+    assert main(["simulate", "--ranks", "16", "--hosts", "4", "--layout", "dp=4,tp=2,pp=2", "--steps", "30",
+                 "--out", str(tmp_path / "sim"), "--timing", timing, "--no-phases",
+                 "--fault", "slow:rank=5,from=10,delay=0.03", "--fault", "kill:rank=9,step=25,signal=15"]) == 0
+    out = capsys.readouterr().out
+    assert f"expect straggler rank:5 from step 10 ({cause})" in out
+    assert "expect fail_stop rank:9 from step 25 (signal)" in out

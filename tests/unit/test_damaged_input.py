@@ -54,7 +54,7 @@ def healthy(tmp_path_factory: pytest.TempPathFactory) -> Healthy:
     run = root / "run"
     simulate(SimConfig(name="damaged", layout=LAYOUT, hosts=2, steps=40, seed=1, fingerprint_every=10,
                        checkpoint_every=20,
-                       faults=(parse_sim_fault(f"straggler:rank={STRAGGLER},from=20,slow=0.3"),)), run)
+                       faults=(parse_sim_fault(f"gpu_slow:rank={STRAGGLER},from=20,factor=1.3"),)), run)
     cfg = CanaryConfig(run_dir=run, steps=40, layout=LAYOUT, hosts=2, gpu="off")
     launch = {  # what `manager.config_from_run` reads, so that `recover` can plan for the run
         "attempt": 0, "started_wall_ns": 0, "world_size": LAYOUT.world_size, "layout": str(LAYOUT), "hosts": 2,

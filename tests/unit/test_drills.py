@@ -102,7 +102,7 @@ def test_monitor_keeps_each_incident_first_seen_with_its_clock(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sim"
     assert main(["simulate", "--ranks", "16", "--hosts", "2", "--layout", "dp=4,tp=2,pp=2", "--steps", "60",
-                 "--out", str(out), "--fault", "straggler:rank=5,from=30,slow=0.3", "--no-phases"]) == 0
+                 "--out", str(out), "--fault", "gpu_slow:rank=5,from=30,factor=1.3", "--no-phases"]) == 0
     said: list[str] = []
     warned: list[str] = []
     m = Monitor(out, window=40, every=0, poll=0.01, anomaly=False, say=said.append, warn=warned.append)

@@ -10,8 +10,8 @@ import torch
 from rankwatch.base.schema import ThrottleReason
 from rankwatch.base.topology import link_name
 from rankwatch.canary.faults import (
-    FAULT_HELP, THROTTLE_REASONS, BadDevice, BitFlip, DeviceError, Exit, FailingDevice, Fault, FaultKind, Faults,
-    FlipTarget, Freeze, GpuSlow, Hang, Kill, Nudge, SkewData, SkewRng, Slow, SlowLink, Throttle, fault_spec,
+    FAULT_HELP, FAULT_KEYS, THROTTLE_REASONS, BadDevice, BitFlip, DeviceError, Exit, FailingDevice, Fault, FaultKind,
+    Faults, FlipTarget, Freeze, GpuSlow, Hang, Kill, Nudge, SkewData, SkewRng, Slow, SlowLink, Throttle, fault_spec,
     parse_fault,
 )
 from rankwatch.canary.loop import ExtraCompute
@@ -485,3 +485,121 @@ def test_hardware_keeps_the_machines_faults_only() -> None:
               .slow_link(hosts=(0, 1), delay_s=0.01).exit(rank=2, step=5))
     assert [type(f).__name__ for f in faults.hardware().faults] == ["BadDevice", "SlowLink"]
     assert not Faults().exit(rank=0, step=1).hardware()
+
+
+# -- one syntax: `rankwatch simulate --fault` takes train's spelling ---------------------------------------------------
+
+SIM_RUN_LAYOUT = (4, 2, 2)  # dp, tp, pp: 16 ranks on 4 hosts, rank 13 on the last stage
+
+SHARED_SPECS = (
+    "slow:rank=2,from=10,delay=0.03,until=30,period=4,burst=2", "slow:rank=13,delay=0.05",
+    "exit:rank=3,step=40", "exit:rank=3,step=40,code=1", "kill:rank=1,step=5,signal=15", "kill:rank=1,step=5",
+    "hang:rank=0,step=12", "bitflip:rank=1,step=9,target=param,bit=62,param=3,index=17",
+    "skew_rng:rank=2,step=4", "skew_data:rank=3,step=6,offset=8", "skew_data:rank=3,step=6",
+    "throttle:rank=0,from=3,delay=0.05,until=9,reason=power", "throttle:rank=14",
+    "bad_device:host=1,index=2,from=5,delay=0.04,until=50,reason=power", "bad_device:host=3,index=1",
+    "gpu_slow:rank=1,from=20,factor=1.5,until=60", "gpu_slow:rank=0,factor=2",
+)
+"""Specs of every kind both commands take, with every key given and with defaults, in values the simulator models."""
+
+
+def _sim_run():  # type: ignore[no-untyped-def]
+    from rankwatch.base.topology import Layout
+    from rankwatch.simulator.config import SimConfig
+
+    dp, tp, pp = SIM_RUN_LAYOUT
+    return SimConfig(layout=Layout(dp=dp, tp=tp, pp=pp), hosts=4, steps=100)
+
+
+def _train_names(fault: Fault, world: int, hosts: int) -> dict[str, object]:
+    """What a train fault does, in the terms both sides share: which rank, when, and how much."""
+    from rankwatch.base.topology import Hosts
+
+    if isinstance(fault, BadDevice):  # the rank placed on the slot (no --device-shift): as the trainer places it
+        h = Hosts(count=hosts, world_size=world)
+        rank = next(r for r in range(world) if h.host_of(r) == f"host{fault.host}" and h.local_rank(r) == fault.index)
+        (fault,) = Faults((fault,)).placed(rank=rank, host=fault.host, slot=fault.index).faults
+    if isinstance(fault, Slow):
+        return {"does": "host stall", "rank": fault.rank, "from": fault.from_step, "until": fault.until_step,
+                "period": fault.period, "burst": fault.burst, "delay": fault.delay_s}
+    if isinstance(fault, Throttle):
+        return {"does": f"throttle {fault.reason}", "rank": fault.rank, "from": fault.from_step,
+                "until": fault.until_step, "period": None, "burst": None, "delay": fault.delay_s}
+    if isinstance(fault, GpuSlow):
+        return {"does": "device factor", "rank": fault.rank, "from": fault.from_step, "until": fault.until_step,
+                "period": None, "burst": None, "factor": fault.factor}
+    if isinstance(fault, Exit):
+        return {"does": "exit", "rank": fault.rank, "step": fault.step, "code": fault.code}
+    if isinstance(fault, Kill):
+        return {"does": "signal", "rank": fault.rank, "step": fault.step, "signal": fault.signal}
+    if isinstance(fault, Hang):
+        return {"does": "hang", "rank": fault.rank, "step": fault.step}
+    if isinstance(fault, BitFlip):
+        return {"does": f"flip {fault.target}", "rank": fault.rank, "step": fault.step}
+    if isinstance(fault, SkewRng):
+        return {"does": "skew rng", "rank": fault.rank, "step": fault.step}
+    assert isinstance(fault, SkewData)
+    return {"does": "skew data", "rank": fault.rank, "step": fault.step, "offset": fault.offset}
+
+
+def _sim_names(fault: object, nominal_s: list[float]) -> dict[str, object]:
+    """The same for a simulated fault (its `slow` back in seconds of the rank's nominal compute)."""
+    from rankwatch.simulator import faults as sim
+
+    if isinstance(fault, sim.Straggler):
+        when = {"rank": fault.rank, "from": fault.from_step, "until": fault.until_step, "period": fault.period,
+                "burst": fault.burst}
+        if fault.cause is sim.StragglerCause.NONE:
+            return {"does": "device factor", **when, "factor": 1 + fault.slow}
+        does = {sim.StragglerCause.HOST_STALL: "host stall", sim.StragglerCause.THERMAL: "throttle thermal",
+                sim.StragglerCause.POWER: "throttle power"}[fault.cause]
+        return {"does": does, **when, "delay": fault.slow * nominal_s[fault.rank]}
+    if isinstance(fault, sim.FailStop):
+        if fault.how is sim.FailHow.EXIT:
+            return {"does": "exit", "rank": fault.rank, "step": fault.step, "code": 1}
+        assert fault.how is sim.FailHow.SIGNAL
+        return {"does": "signal", "rank": fault.rank, "step": fault.step, "signal": fault.signal}
+    if isinstance(fault, sim.Hang):
+        return {"does": "hang", "rank": fault.rank, "step": fault.step}
+    if isinstance(fault, sim.Corruption):
+        assert fault.kind is sim.CorruptionKind.BITFLIP_PARAM
+        return {"does": "flip param", "rank": fault.rank, "step": fault.step}
+    assert isinstance(fault, sim.Divergence) and len(fault.ranks) == 1
+    if fault.field is sim.DivergeField.RNG:
+        return {"does": "skew rng", "rank": fault.ranks[0], "step": fault.step}
+    return {"does": "skew data", "rank": fault.ranks[0], "step": fault.step, "offset": fault.offset}
+
+
+def test_simulate_shares_trains_keys_for_every_kind_both_take() -> None:
+    from rankwatch.simulator.faults import SHARED_KINDS, SIM_FAULT_KEYS, TRAIN_ONLY_KINDS
+
+    assert {spec.partition(":")[0] for spec in SHARED_SPECS} == set(SHARED_KINDS)
+    for kind in SHARED_KINDS:
+        assert SIM_FAULT_KEYS[kind] == FAULT_KEYS[FaultKind(kind)], kind
+    # every train kind is shared, train-only, or (slow_link) the simulator's own: seconds per collective in train, a
+    # factor on the link's transfers in the simulator
+    assert set(SHARED_KINDS) | set(TRAIN_ONLY_KINDS) | {"slow_link"} == set(FaultKind)
+    assert SIM_FAULT_KEYS["slow_link"] == ("hosts", "from", "factor")
+
+
+@pytest.mark.parametrize("spec", SHARED_SPECS)
+def test_the_same_spec_names_the_same_fault_in_train_and_in_simulate(spec: str) -> None:
+    """Rank, step or onset, end, burst pattern and size (a delay in seconds, a factor, a signal, an offset) agree."""
+    from rankwatch.simulator.faults import parse_sim_fault
+    from rankwatch.simulator.model import _NS, _Topo, _nominal
+
+    cfg = _sim_run()
+    nominal_s = [float(x) / _NS for x in _nominal(cfg, _Topo(cfg))]
+    train = _train_names(parse_fault(spec), cfg.world_size, cfg.hosts)
+    simulated = _sim_names(parse_sim_fault(spec, cfg), nominal_s)
+    assert _rounded(simulated) == _rounded(train)
+
+
+def _rounded(names: dict[str, object]) -> dict[str, object]:
+    return {k: round(v, 9) if isinstance(v, float) else v for k, v in names.items()}
+
+
+def test_a_mistyped_kind_gets_the_nearest_one() -> None:
+    assert "unknown fault 'slwo' in 'slwo:rank=1' (did you mean 'slow'?); valid kinds: slow," in _error("slwo:rank=1")
+    assert "(did you mean 'bad_device'?)" in _error("bad_devise:host=0,index=1")
+    assert "did you mean" not in _error("zzz:rank=1")

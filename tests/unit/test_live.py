@@ -17,7 +17,7 @@ from rankwatch.simulator import SimConfig, parse_sim_fault, simulate, split_tail
 def test_refresh_reads_only_new_parts_and_the_window_sees_a_late_straggler(tmp_path: Path) -> None:
     run, staging = tmp_path / "run", tmp_path / "staging"
     simulate(SimConfig(layout=Layout(dp=4, tp=2, pp=2), hosts=4, steps=100, phases=False,
-                       faults=(parse_sim_fault("straggler:rank=6,from=85,slow=0.3"),)), run)
+                       faults=(parse_sim_fault("gpu_slow:rank=6,from=85,factor=1.3"),)), run)
     tails = split_tail(run, 80, staging)
     assert tails > 0
     live = LiveAnalyzer(run, LiveConfig(window_steps=20, keep_steps=50))

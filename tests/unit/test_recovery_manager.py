@@ -265,7 +265,7 @@ def test_a_crash_loop_is_refused_after_too_many_failed_relaunches_in_a_row(tmp_p
 
 def test_config_from_run_keeps_the_machines_faults_and_drops_the_attempts(tmp_path: Path) -> None:
     from rankwatch.canary.faults import BadDevice, Faults, SlowLink
-    from rankwatch.canary.launch import record_launch
+    from rankwatch.canary.launcher import record_launch
 
     faults = (Faults().bad_device(host=0, index=1, from_step=5, delay_s=0.08).slow_link(hosts=(0, 1), delay_s=0.01)
               .exit(rank=1, step=3).bitflip(rank=2, step=4))

@@ -58,7 +58,7 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("sim")
     run = base / "run"
     simulate(SimConfig(layout=LAYOUT, hosts=HOSTS, steps=40, fingerprint_every=10, checkpoint_every=20,
-                       faults=(parse_sim_fault("straggler:rank=5,from=10,slow=0.3"),)), run)
+                       faults=(parse_sim_fault("gpu_slow:rank=5,from=10,factor=1.3"),)), run)
     split_tail(run, 20, base / "a")
     split_tail(base / "a", 30, base / "b")
     return base

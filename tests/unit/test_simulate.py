@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -169,27 +171,48 @@ def test_labels_round_trip(clean: Path) -> None:
 @pytest.mark.parametrize(
     ("spec", "fragment"),
     [
-        ("nosuch:rank=1", "unknown kind"),
-        ("straggler:rank=1", "missing from=" if False else "missing slow="),
-        ("straggler:rank=x,slow=0.1", "rank='x'"),
-        ("straggler:rank=1,slow=3", "slow=3"),
-        ("fail_stop:rank=1,step=3,how=boom", "how='boom'"),
-        ("hang:rank=1,step=3,colour=red", "bad item"),
+        ("nosuch:rank=1", "unknown kind 'nosuch'; valid kinds: slow, exit,"),
+        ("slow:rank=1", "missing delay="),
+        ("slow:rank=x,delay=0.01", "rank='x'"),
+        ("slow:rank=1,delay=0.5", "delay=0.5 is 625% of rank 1's compute (0.08 s a step); the simulator models "
+                                  "delay=0.004..0.08"),
+        ("slow:rank=1,delay=0.01,from=-3", "from must be >= 0"),
+        ("slow:rank=99,delay=0.01", "rank 99 outside world size 16"),
+        ("kill:rank=1,step=3,signal=0", "signal must be >= 1"),
+        ("vanish:rank=1,step=3,killed=maybe", "killed='maybe'"),
+        ("bitflip:rank=1,step=3,target=weights", "target='weights' is not a valid value"),
+        ("hang:rank=1,step=3,colour=red", "bad item 'colour=red'; valid keys for hang: rank, step, alive,"),
+        ("bad_device:host=0,index=4", "device slot 4 does not exist (a host has slots 0..3)"),
+        ("slow_link:hosts=0-1,until=9", "slow_link until= is train-only"),
+        ("corruption:rank=1,step=3,kind=bitflip_param", "spelled bitflip:rank=,step=,target=param"),
+        ("straggler:rank=1,slow=3", "slow=3"),  # the old spelling validates as it did
     ],
 )
 def test_spec_errors_are_one_line_and_name_the_spec(spec: str, fragment: str) -> None:
     with pytest.raises(ValueError) as info:
-        parse_sim_fault(spec)
+        parse_sim_fault(spec, _cfg())
     msg = str(info.value)
     assert "\n" not in msg and spec in msg and fragment in msg
 
 
 def test_specs_parse() -> None:
-    assert parse_sim_fault("straggler:rank=5,from=100,slow=0.1,period=10,burst=2,cause=thermal") == Straggler(
-        rank=5, from_step=100, slow=0.1, period=10, burst=2, cause=StragglerCause.THERMAL)
+    cfg = _cfg()
+    assert parse_sim_fault("gpu_slow:rank=5,from=100,factor=1.1,until=150", cfg) == Straggler(
+        rank=5, from_step=100, slow=0.1, until_step=150)
+    assert parse_sim_fault("throttle:rank=5,from=10,delay=0.02,reason=power", cfg) == Straggler(
+        rank=5, from_step=10, slow=0.25, cause=StragglerCause.POWER)
+    assert parse_sim_fault("dataloader:rank=2,delay=0.04,period=10,burst=2", cfg) == Straggler(
+        rank=2, slow=0.5, period=10, burst=2, cause=StragglerCause.DATALOADER)
     assert parse_sim_fault("divergence:ranks=3+7,step=50,field=data") == Divergence(
         ranks=(3, 7), step=50, field=DivergeField.DATA)
     assert parse_sim_fault("hang:rank=2,step=9,killed=1") == Hang(rank=2, step=9, killed=True)
+    assert parse_sim_fault("exit:rank=2,step=9,in_collective=1") == FailStop(rank=2, step=9, in_collective=True)
+    assert parse_sim_fault("kill:rank=2,step=9,signal=15") == FailStop(rank=2, step=9, how=FailHow.SIGNAL, signal=15)
+    assert parse_sim_fault("vanish:rank=2,step=9,killed=1") == FailStop(rank=2, step=9, how=FailHow.KILLED_ALL)
+    assert parse_sim_fault("bitflip:rank=2,step=9,target=param,hardware=1") == Corruption(
+        rank=2, step=9, kind=CorruptionKind.BITFLIP_PARAM, hardware=True)
+    assert parse_sim_fault("skew_data:rank=2,step=9") == Divergence(ranks=(2,), step=9, field=DivergeField.DATA,
+                                                                   offset=1)
 
 
 def test_config_validation_is_one_line() -> None:
@@ -240,10 +263,110 @@ def test_gpu_timing_fills_the_device_columns_and_keeps_the_step_identity(tmp_pat
 
 
 def test_host_stall_spec_parses_and_labels_by_timing() -> None:
+    """Train's `slow` is a sleep of the rank's host thread in forward: the simulator's host stall."""
     from rankwatch.simulator.config import Timing
     from rankwatch.simulator.labels import labels_for
 
-    f = parse_sim_fault("straggler:rank=3,from=5,slow=0.2,cause=host_stall")
+    f = parse_sim_fault("slow:rank=3,from=5,delay=0.016", _cfg())
     assert f == Straggler(rank=3, from_step=5, slow=0.2, cause=StragglerCause.HOST_STALL)
     assert labels_for(_cfg(f)).expected[0].cause == Cause.UNKNOWN
     assert labels_for(_cfg(f, timing=Timing.GPU)).expected[0].cause == Cause.HOST_STALL
+
+
+# -- one fault syntax: train's spelling, in train's units ---------------------------------------------------------
+
+
+def test_a_delay_in_seconds_is_that_many_seconds_of_the_ranks_compute_on_every_stage() -> None:
+    """`delay=` converts to the share of the rank's own nominal compute, which is longer on the last stage (it also
+    computes the loss): the same seconds on either stage, by the model's own nominal compute."""
+    from rankwatch.simulator.model import _NS, _Topo, _nominal
+
+    cfg = _cfg()
+    nominal = _nominal(cfg, _Topo(cfg)) / _NS
+    assert nominal[13] > nominal[5]  # rank 13 is on the last of two stages
+    for rank in (5, 13):
+        for spec in (f"slow:rank={rank},delay=0.03", f"throttle:rank={rank},delay=0.03",
+                     f"dataloader:rank={rank},delay=0.03"):
+            f = parse_sim_fault(spec, cfg)
+            assert isinstance(f, Straggler)
+            assert f.slow * nominal[rank] == pytest.approx(0.03, rel=1e-9), spec
+
+
+def test_a_train_spelled_slow_rank_computes_the_spec_s_delay_longer(tmp_path: Path) -> None:
+    """Measured from the written telemetry: from the onset, the slow rank's median compute exceeds its stage peers'
+    by the spec's delay (less the excess it had before, its hardware's own spread), within the simulator's noise."""
+    specs = ("slow:rank=5,from=40,delay=0.03", "slow:rank=13,from=40,delay=0.02")
+    base = _cfg(steps=120)
+    simulate(replace(base, faults=tuple(parse_sim_fault(s, base) for s in specs)), tmp_path)
+    compute: dict[tuple[int, int], float] = {
+        (r, s): c / 1e9 for r, s, c in connect(tmp_path).execute("select rank, step, compute_ns from steps").fetchall()}
+
+    def excess(rank: int, steps: range) -> float:
+        peers = [p for p in range(16) if p // 8 == rank // 8 and p not in (5, 13)]
+        return (statistics.median(compute[rank, s] for s in steps)
+                - statistics.median(compute[p, s] for p in peers for s in steps))
+
+    for rank, delay in ((5, 0.03), (13, 0.02)):
+        measured = excess(rank, range(40, 120)) - excess(rank, range(0, 40))
+        assert measured == pytest.approx(delay, rel=0.04), (rank, measured)
+    (five, thirteen) = read_labels(tmp_path).expected
+    assert (five.subject, five.onset_step, thirteen.subject) == ("5", 40, "13")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["nudge:param=1", "freeze:rank=1,step=3,seconds=2", "failing_device:host=0,index=1,step=3",
+     "device_error:rank=0,step=3"],
+)
+def test_a_train_only_kind_is_a_one_line_error(spec: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_sim_fault(spec, _cfg())
+    msg = str(info.value)
+    assert "\n" not in msg and spec in msg and "train-only fault" in msg
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("bitflip:rank=1,step=3", "target=grad (bitflip's default) is train-only"),
+        ("exit:rank=1,step=3,code=7", "code=7: the simulator's exit code is 1 (other codes are train-only)"),
+        ("throttle:rank=1,reason=power_brake", "the simulator models reason=thermal|power (the others are train-only)"),
+        ("gpu_slow:rank=1,factor=5", "the simulator models factor=1.05..2 (more is train-only)"),
+        ("slow_link:hosts=0-1,delay=0.1", "slow_link delay= is train-only"),
+    ],
+)
+def test_what_only_train_can_do_with_a_shared_kind_is_a_one_line_error(spec: str, fragment: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_sim_fault(spec, _cfg())
+    msg = str(info.value)
+    assert "\n" not in msg and spec in msg and fragment in msg
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("slwo", "slow"), ("stage_imbalanse", "stage_imbalance"),
+                                             ("bad_devise", "bad_device"), ("vanished", "vanish")])
+def test_a_mistyped_kind_gets_the_nearest_one(typo: str, meant: str) -> None:
+    with pytest.raises(ValueError, match=f"unknown kind '{typo}' \\(did you mean '{meant}'\\?\\); valid kinds:"):
+        parse_sim_fault(f"{typo}:rank=1")
+
+
+def test_the_old_spellings_still_parse_and_are_never_offered() -> None:
+    from rankwatch.simulator.faults import SIM_FAULT_HELP
+
+    assert parse_sim_fault("straggler:rank=5,from=100,slow=0.1,period=10,burst=2,cause=thermal") == Straggler(
+        rank=5, from_step=100, slow=0.1, period=10, burst=2, cause=StragglerCause.THERMAL)
+    assert parse_sim_fault("straggler:rank=5,from=100,slow=0.1") == parse_sim_fault(
+        "gpu_slow:rank=5,from=100,factor=1.1")
+    assert parse_sim_fault("fail_stop:rank=3,step=150") == parse_sim_fault("exit:rank=3,step=150")
+    assert parse_sim_fault("fail_stop:rank=3,step=150,how=vanished") == parse_sim_fault("vanish:rank=3,step=150")
+    with pytest.raises(ValueError) as info:
+        parse_sim_fault("stragler:rank=1")
+    for old in ("straggler", "fail_stop", "slow="):
+        assert old not in str(info.value) and old not in SIM_FAULT_HELP
+
+
+def test_seconds_and_device_slots_need_the_run() -> None:
+    for spec in ("slow:rank=1,delay=0.01", "bad_device:host=0,index=1"):
+        with pytest.raises(ValueError, match="needs the run the fault goes into: parse_sim_fault\\(spec, cfg\\)"):
+            parse_sim_fault(spec)
+    assert parse_sim_fault("bad_device:host=1,index=2,delay=0.04", _cfg()) == Straggler(
+        rank=6, slow=0.5, cause=StragglerCause.THERMAL)  # 4 ranks a host: slot 2 of host 1 is rank 6

@@ -70,7 +70,8 @@ def test_the_detail_shows_the_subject_against_its_peers_around_the_onset(run: Pa
     d = views.incident_detail(store, inc)
     subject = d.series.filter(pl.col("who") == "subject")
     peers = d.series.filter(pl.col("who") == "peers median")
-    assert subject["step"].min() == inc.onset_step - 50 and subject["step"].max() == inc.onset_step + 50  # type: ignore[operator]
+    # a straggler's series covers its whole episode: from 50 steps before the onset to the run's last step
+    assert subject["step"].min() == inc.onset_step - 50 and subject["step"].max() == store.summary.last_step  # type: ignore[operator]
     after = pl.col("step") > inc.onset_step  # type: ignore[operator]
     assert subject.filter(after)["compute_ms"].median() > 1.2 * peers.filter(after)["compute_ms"].median()  # type: ignore[operator]
     assert subject.filter(after)["late_ms"].median() > 5 * peers.filter(after)["late_ms"].median()  # type: ignore[operator]
@@ -250,3 +251,66 @@ def test_goodput_counts_every_attempt_and_never_passes_100_percent() -> None:
     start, end, wall, effective = run_span(frames)
     assert (start, end) == (t0, t0 + 41 * s)
     assert (wall, effective) == (41.0, 30.0)  # goodput 73 %, not 30 / 11 = 273 %
+
+
+def test_a_long_episode_is_binned_not_cut(run: Path) -> None:
+    store = ensure_views(run)
+    d = views.incident_detail(store, store.incidents[0], max_points=40)
+    subject = d.series.filter(pl.col("who") == "subject")
+    assert subject.height <= 41 and subject["step"].max() >= store.summary.last_step - 10  # type: ignore[operator]
+
+
+def test_times_durations_and_masks_read_as_people_read_them() -> None:
+    assert [views.duration(x) for x in (4e-5, 0.0015, 0.85, 12.44, 185, 8040)] == [
+        "40 µs", "1.5 ms", "850 ms", "12.4 s", "3 min 05 s", "2 h 14 min"]
+    assert views.throttle_names(0x40) == "HW_THERMAL_SLOWDOWN" and views.throttle_names(0) == "none"
+    assert views.throttle_names(0x44 | 0x1000) == "SW_POWER_CAP|HW_THERMAL_SLOWDOWN|0x1000"
+    assert views.readable_text("clock 41% of max, throttle_reasons=64") == \
+        "clock 41% of max, throttle_reasons=HW_THERMAL_SLOWDOWN"
+    frame = views.readable(pl.DataFrame({"rank": [1, 2], "wall_ns": [1_796_473_477_619_475_955, None],
+                                         "median_transfer_ns": [1_500_000, 2_000], "throttle_reasons": [64, 0],
+                                         "note": ["a", None]}))
+    assert frame.columns == ["rank", "wall", "median_transfer", "throttle_reasons", "note"]
+    row = frame.row(0, named=True)
+    assert row["wall"].count(":") == 2 and row["wall"].endswith(".619") and row["median_transfer"] == "1.5 ms"
+    assert frame["throttle_reasons"].to_list() == ["HW_THERMAL_SLOWDOWN", "none"]
+    assert frame.row(1, named=True)["wall"] == "" and frame.row(1, named=True)["note"] == ""  # not "None"
+
+
+def test_a_decision_reads_in_words() -> None:
+    assert views.action_text("restart_job", "checkpoint:step-00000015@15") == \
+        "restart the job from step-00000015 (step 15)"
+    assert views.action_text("restart_job", None) == "restart the job from step 0 (no clean committed checkpoint)"
+    assert views.action_text("quarantine", "device:GPU-1") == "quarantine device GPU-1"
+    assert views.action_text("observe", None) == "observe (leave the job as it is)"
+    assert views.action_text("new_action", "x:y") == "new_action x:y"  # unknown to this version: as recorded
+
+
+def test_each_incident_has_a_state_and_a_next_step(run: Path, tmp_path: Path) -> None:
+    store = ensure_views(run)
+    observed = views.incident_states(store.incidents, views.decisions(run), str(run))
+    assert observed.row(0, named=True)["state"] == "observed"
+    assert observed.row(0, named=True)["next_step"].startswith("nothing to do")
+    stopped = analyzed_run(tmp_path / "stopped", steps=200, faults=("exit:rank=3,step=150",))
+    s = ensure_views(stopped)
+    row = views.incident_states(s.incidents, views.decisions(stopped), str(stopped)).row(0, named=True)
+    assert row["state"] == "proposed" and row["decision"] == "restart the job from step 0 (no clean committed " \
+        "checkpoint)" and f"`rankwatch recover {stopped} --apply`" in row["next_step"]
+    row = views.incident_states(s.incidents, views.decisions(stopped).clear(), str(stopped)).row(0, named=True)
+    assert row["state"] == "open" and row["next_step"].startswith(f"decide: `rankwatch recover {stopped}`")
+    story = views.fail_stop_story(s, s.incidents[0], views.decisions(stopped), views.lineage(stopped))
+    first = story.stops.row(0, named=True)
+    assert (first["rank"], first["role"], first["how"], first["in_step"]) == (3, "stopped first", "exit code 1", 150)
+    assert set(story.stops["rank"]) == set(range(16)) and set(story.stops["role"][1:]) == {"reacted"}
+    assert story.waits.height and set(story.waits["state"]) == {"error"}
+    assert story.replayed == () and story.lines()[-1] == "Replayed: no step was trained twice"
+    assert story.recovery.startswith("not carried out (proposed")
+
+
+def test_a_hang_is_told_with_the_collectives_left_open(tmp_path: Path) -> None:
+    run = analyzed_run(tmp_path / "hang", steps=200, faults=("hang:rank=6,step=120",))
+    s = ensure_views(run)
+    [hang] = [i for i in s.incidents if i.klass == "hang"]
+    story = views.fail_stop_story(s, hang, views.decisions(run), views.lineage(run))
+    assert story.stops.row(0, named=True)["rank"] == 6
+    assert story.waits.height >= 15 and 6 not in set(story.waits["rank"])  # every peer waited for it, rank 6 in none

@@ -760,7 +760,7 @@ _TABLE_DOCS: dict[Table, str] = {
 # -- liveness: <run>/live/ -------------------------------------------------------------------------------------------
 # Not parquet: one small JSON object per rank (and per ended rank process), replaced in place, so a monitor learns of a
 # dead or stuck rank within a heartbeat instead of a part-file interval. collector/liveness.py writes the rank records,
-# the launcher (canary/launch.py, each host's agent) the exit records; analytics/liveness/ reads both.
+# the launcher (canary/launcher.py, each host's agent) the exit records; analytics/liveness/ reads both.
 # docs/liveness.md describes the channel.
 
 LIVE_VERSION = 1

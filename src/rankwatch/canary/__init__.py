@@ -16,12 +16,12 @@ from rankwatch.base.lazy import lazy_names
 if TYPE_CHECKING:
     from rankwatch.canary.config import CanaryConfig, canary_declaration, config_from_run
     from rankwatch.canary.faults import Faults, parse_fault
-    from rankwatch.canary.launch import CanaryLauncher, launch
+    from rankwatch.canary.launcher import CanaryLauncher, launch
     from rankwatch.canary.model import ModelConfig
 
 _LAZY = {
     "CanaryConfig": "config", "canary_declaration": "config", "config_from_run": "config",
-    "Faults": "faults", "parse_fault": "faults", "CanaryLauncher": "launch", "launch": "launch",
+    "Faults": "faults", "parse_fault": "faults", "CanaryLauncher": "launcher", "launch": "launcher",
     "ModelConfig": "model",
 }
 """Name -> the module of this package that defines it, imported on first use."""

@@ -9,6 +9,7 @@ side effects.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import MISSING, dataclass, fields, replace
 from enum import StrEnum
 from typing import Any, Self
@@ -262,7 +263,11 @@ _KINDS: dict[FaultKind, tuple[type, dict[str, str]]] = {
 }
 _KIND_OF: dict[type, FaultKind] = {cls: kind for kind, (cls, _) in _KINDS.items()}
 
-FAULT_HELP = "; ".join(f"{k}:{','.join(f'{key}=' for key in keys)}" for k, (_, keys) in _KINDS.items())
+FAULT_KEYS: dict[FaultKind, tuple[str, ...]] = {kind: tuple(keys) for kind, (_, keys) in _KINDS.items()}
+"""The keys of each kind, in the order the help lists them: the vocabulary `rankwatch simulate --fault` shares for the
+kinds it models (simulator.faults; tests pin the two together)."""
+
+FAULT_HELP = "; ".join(f"{k}:{','.join(f'{key}=' for key in keys)}" for k, keys in FAULT_KEYS.items())
 
 
 def _convert(kind: FaultKind, key: str, field_name: str, raw: str, cls: type) -> Any:
@@ -291,8 +296,10 @@ def parse_fault(spec: str) -> Fault:
     try:
         kind = FaultKind(kind_text)
     except ValueError:
+        near = difflib.get_close_matches(kind_text, [str(k) for k in FaultKind], n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ValueError(
-            f"unknown fault {kind_text!r} in {spec!r}; valid kinds: {', '.join(FaultKind)}"
+            f"unknown fault {kind_text!r} in {spec!r}{hint}; valid kinds: {', '.join(FaultKind)}"
         ) from None
     cls, keys = _KINDS[kind]
     values: dict[str, Any] = {}

@@ -22,7 +22,7 @@ from rankwatch.analytics import views
 
 from rankwatch.analytics.analyze import ensure_views
 from rankwatch.analytics.errors import RunDirError
-from rankwatch.analytics.incidents import Incident
+from rankwatch.analytics.incidents import Incident, sort_incidents
 from rankwatch.analytics.localize import Localization
 
 RUNS_ENV = "RANKWATCH_DASHBOARD_RUNS"
@@ -41,6 +41,22 @@ def run_dirs(argv: Sequence[str] | None = None) -> list[str]:
     if len(argv) > 1 and Path(argv[0]).resolve() == APP.resolve():
         return list(argv[1:])
     return [p for p in os.environ.get(RUNS_ENV, "").split(os.pathsep) if p.strip()]
+
+
+def run_names(runs: Sequence[str]) -> dict[str, str]:
+    """What a URL calls each run (`?run=NAME`): its folder's name, or the whole path where two runs share a name."""
+    names = [Path(p).name or p for p in runs]
+    return {(n if names.count(n) == 1 else p): p for n, p in zip(names, runs)}
+
+
+def run_with_incident(runs: Sequence[str], incident_id: str) -> str | None:
+    """The first run (of those whose views are stored) that has the incident: a link that names only the incident
+    lands on its run."""
+    for run in runs:
+        have = views.stored_views(run)
+        if have is not None and any(i.id == incident_id for i in incidents(run, have.summary.built_wall_ns)):
+            return run
+    return None
 
 
 def set_current_run(run_dir: str) -> None:
@@ -107,7 +123,7 @@ def live_progress(run_dir: str, built: int) -> pl.DataFrame:
 @st.cache_data(ttl=_FILES_TTL_S, max_entries=64, show_spinner=False)
 def incidents(run_dir: str, built: int) -> tuple[Incident, ...]:
     """The analysis' incidents, then those only the recovery records carry (the live loop's)."""
-    return views.run_incidents(_store(run_dir, built))
+    return sort_incidents(views.run_incidents(_store(run_dir, built)))
 
 
 @st.cache_data(ttl=_FILES_TTL_S, max_entries=64, show_spinner=False)
@@ -127,8 +143,19 @@ def quarantine(run_dir: str) -> pl.DataFrame:
 
 @st.cache_data(ttl=_FILES_TTL_S, max_entries=64, show_spinner=False)
 def incident_table(run_dir: str, built: int) -> pl.DataFrame:
-    return views.incident_table(incidents(run_dir, built), decisions(run_dir),
-                                _store(run_dir, built).summary.start_wall_ns)
+    """The incident table with each incident's state, decision in words and next step (`views.incident_states`),
+    and when it was detected as a local time."""
+    found = incidents(run_dir, built)
+    table = views.incident_table(found, decisions(run_dir), _store(run_dir, built).summary.start_wall_ns)
+    states = views.incident_states(found, decisions(run_dir), run_dir)
+    when = pl.DataFrame({"id": [i.id for i in found],
+                         "since": [views.local_time(i.detection_wall_ns)[5:] for i in found]}, schema={
+        "id": pl.String, "since": pl.String})
+    return table.drop("decision", "status").join(states, on="id", how="left").join(when, on="id", how="left")
+
+
+def fail_stop_story(run_dir: str, built: int, incident: Incident) -> views.FailStopStory:
+    return views.fail_stop_story(_store(run_dir, built), incident, decisions(run_dir), lineage(run_dir))
 
 
 def incident_detail(run_dir: str, built: int, incident: Incident) -> views.IncidentDetail:

@@ -3,9 +3,9 @@
 The notebook is committed as a jupytext percent file without outputs (`postmortem.py` beside this module). The
 runner reads it, injects the run and the incident as a cell right after the cell tagged `parameters` (tagged
 `injected-parameters`, as papermill does), executes it in a fresh `python3` kernel started with this interpreter,
-and writes the executed `.ipynb` (and, on request, HTML). A run that cannot be analysed or a cell that fails is a
-one-line `ValueError` naming the run and the cell's error; the notebook executed up to that cell is still written,
-so a reader sees where it stopped.
+and writes the executed `.ipynb` (and, on request, HTML: the outputs and the notebook's text, without the code). A
+run that cannot be analysed or a cell that fails is a one-line `ValueError` naming the run and the cell's error; the
+notebook executed up to that cell is still written, so a reader sees where it stopped.
 """
 
 from __future__ import annotations
@@ -126,7 +126,10 @@ def run_postmortem(run_dir: Path | str, *, out: Path, incident: str | None = Non
     if html is not None:
         from nbconvert import HTMLExporter
 
-        body, _ = HTMLExporter().from_notebook_node(nb)
+        # the report for a reader: outputs and the notebook's text, no code and no In/Out prompts (the .ipynb keeps
+        # the code)
+        exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
+        body, _ = exporter.from_notebook_node(nb)
         Path(html).parent.mkdir(parents=True, exist_ok=True)
         Path(html).write_text(body, encoding="utf-8")
     return out

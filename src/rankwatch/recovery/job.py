@@ -8,7 +8,7 @@ and relaunched, and how one attempt of it is launched — and what a launch retu
     Launcher         runs one attempt to its end (`stop` ends it at once); `FakeLauncher` starts no process
     LaunchResult     exit codes, pids, duration, who was terminated, and a resumed attempt's replay verification
 
-The canary implements `Job` with its `CanaryConfig` and `Launcher` with `canary.launch.CanaryLauncher`; the manager
+The canary implements `Job` with its `CanaryConfig` and `Launcher` with `canary.launcher.CanaryLauncher`; the manager
 imports neither, so it can own any job that implements them.
 """
 
@@ -124,7 +124,7 @@ class LaunchResult:
 
 class Launcher(ABC):
     """Runs one attempt of the job to its end; `stop`, set from another thread, ends it at once (the result's
-    `stopped`); `on_start` gets the ranks' pids. The canary's is `canary.launch.CanaryLauncher`; `FakeLauncher`
+    `stopped`); `on_start` gets the ranks' pids. The canary's is `canary.launcher.CanaryLauncher`; `FakeLauncher`
     is for tests."""
 
     @abstractmethod

@@ -4,7 +4,8 @@ An analysis (`analyze(..., config=AnalysisConfig(views=True))`, what `rankwatch 
 from the frames it already loaded (`build`) and stores them under `<run>/analysis/views/` (`store`: a reader opens
 them in milliseconds, and is told when the telemetry grew since). What is not in the telemetry comes from the run's
 own files (`records`: decisions, the lineage, the quarantine list); `panels` arranges both for a reader, and
-`progress` reads the increment of a run still being written. `analytics.analyze.ensure_views` opens a run's views,
+`progress` reads the increment of a run still being written; `story` says what a reader is told (each incident's
+state and next step, a fail-stop from the kill to the replay, times and durations for people). `analytics.analyze.ensure_views` opens a run's views,
 analysing it first when none are stored.
 """
 
@@ -20,13 +21,19 @@ from rankwatch.analytics.views.progress import LIVE_SKEW_NS, heartbeat_age, live
 from rankwatch.analytics.views.records import (
     Comparability, comparability, decisions, lineage, quarantine, recorded_incidents,
 )
+from rankwatch.analytics.views.story import (
+    STATES, FailStopStory, action_text, duration, fail_stop_story, incident_states, is_fail_stop, local_time,
+    readable, readable_text, signal_name, throttle_names,
+)
 from rankwatch.analytics.views.store import (
     MANIFEST, VIEWS_VERSION, RunViews, ViewStore, ViewSummary, stored_views, telemetry_signature, views_dir,
     write_views,
 )
 
 __all__ = [
-    "FRAME_NAMES", "LIVE_SKEW_NS", "MANIFEST", "VIEWS_VERSION", "Comparability", "IncidentDetail", "RunViews",
+    "FRAME_NAMES", "LIVE_SKEW_NS", "MANIFEST", "STATES", "VIEWS_VERSION", "Comparability", "FailStopStory",
+    "IncidentDetail", "RunViews", "action_text", "duration", "fail_stop_story", "incident_states", "is_fail_stop",
+    "local_time", "readable", "readable_text", "signal_name", "throttle_names",
     "ViewStore", "ViewSummary", "across_runs", "breakdown", "build_views", "checkpoint_summary", "collective_progress",
     "comparability", "decisions", "fingerprint_summary", "gpu_peers", "grid", "heartbeat_age", "heatmap", "incident_detail",
     "incident_table", "leaderboard", "lineage", "link_summary", "live_progress", "observation", "progress_frame",

@@ -72,10 +72,14 @@ class IncidentDetail:
 
 
 def incident_detail(views: ViewStore, incident: Incident, decided: pl.DataFrame | None = None,
-                    *, around: int = 50, max_ranks: int = 8) -> IncidentDetail:
+                    *, around: int = 50, max_ranks: int = 8, max_points: int = 1_000) -> IncidentDetail:
+    """The series covers `around` steps either side of the onset; for a straggler or an imbalance, the whole episode:
+    from `around` steps before the onset to the run's last step, binned (each bin's mean) to `max_points` steps."""
     ranks = list(incident.ranks[:max_ranks])
     onset = incident.onset_step if incident.onset_step is not None else views.summary.last_step
     lo, hi = onset - around, onset + around
+    if incident.klass in (IncidentClass.STRAGGLER, IncidentClass.IMBALANCE):
+        hi = max(hi, views.summary.last_step)
     gp = views.frame("gpu_peers")
     gpu = gp.filter(pl.col(_R).is_in(ranks)).with_columns(pl.lit("subject").alias("who"))
     if gp.height:
@@ -94,7 +98,11 @@ def incident_detail(views: ViewStore, incident: Incident, decided: pl.DataFrame 
         pl.lit("subject").alias("who"))
     b = peer_rows.filter(window).group_by(_S).agg([pl.col(c).median() for c in cols]
                                                    ).with_columns(pl.lit("peers median").alias("who"))
-    series = pl.concat([a, b], how="vertical_relaxed").select(_S, "who", *cols).sort("who", _S)
+    series = pl.concat([a, b], how="vertical_relaxed").select(_S, "who", *cols)
+    width = -(-(hi - lo + 1) // max_points)
+    if width > 1:
+        series = series.group_by((pl.col(_S) // width * width).alias(_S), "who").agg([pl.col(c).mean() for c in cols])
+    series = series.sort("who", _S)
     lb = views.frame("leaderboard")
     arrivals = lb.filter(pl.col(_R).is_in(ranks + peers[:8]))
     ln = views.frame("links")

@@ -18,7 +18,7 @@ from rankwatch.base.rundir import RunDir, read_recovery_records
 from rankwatch.canary.config import config_from_run
 from rankwatch.canary.drills.report import REPORT_FILE, DrillReport, seconds_text, write_report
 from rankwatch.canary.drills.specs import DRILLS, FAULT_AFTER, STEPS, DrillSpec, Tamper, drill_config
-from rankwatch.canary.launch import CanaryLauncher
+from rankwatch.canary.launcher import CanaryLauncher
 from rankwatch.control.monitor import Monitor
 from rankwatch.recovery.decision import Action
 
@@ -52,7 +52,7 @@ def _final_fingerprints(run_dir: Path) -> dict[str, Any]:
 def reference_fingerprints(workdir: Path, *, say: Callable[[str], None]) -> dict[str, Any]:
     """The fault-free reference run's final fingerprints: run once per workdir (<workdir>/reference), then read
     from <workdir>/reference.json."""
-    from rankwatch.canary.launch import launch
+    from rankwatch.canary.launcher import launch
 
     cache = workdir / REFERENCE_FILE
     if cache.is_file():

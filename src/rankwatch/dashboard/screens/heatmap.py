@@ -10,9 +10,10 @@ import streamlit as st
 
 from rankwatch.dashboard import charts, data, ui
 
+# The first is the default: a rank's own work. In step time every rank waits for the slowest in lockstep, so a
+# straggler does not stand out there; in compute time it does. (A comment, not a string: Streamlit's magic draws
+# every bare expression statement of a page.)
 METRICS = ("compute_ms", "late_ms", "step_ms", "wait_ms")
-"""The first is the default: a rank's own work. In step time every rank waits for the slowest in lockstep, so a
-straggler does not stand out there; in compute time it does."""
 _RANK = "rank"
 
 
@@ -49,8 +50,9 @@ def main() -> None:
     g = data.grid(*k, "score")
     if g.height:
         st.subheader("dp x pp grid (worst tensor-parallel rank's straggler score)")
-        st.altair_chart(charts.grid(g, "score"), key="grid_chart", on_select=lambda: _pick(
-            "grid_chart", charts.GRID_PICK, lb), selection_mode=charts.GRID_PICK)
+        chart = charts.grid(g, "score")
+        st.altair_chart(chart, key="grid_chart", on_select=lambda: _pick("grid_chart", charts.GRID_PICK, lb),
+                        selection_mode=charts.GRID_PICK, height=int(chart.to_dict()["height"]))
     st.subheader("Drill-down")
     r = int(st.number_input("Rank", min_value=0, max_value=ranks - 1, step=1, key=_RANK))
     rows = store.rank(r)
