@@ -278,10 +278,10 @@ def test_a_decision_reads_the_same_way_whatever_its_state() -> None:
 
     base = {"action": "restart_job", "target": "checkpoint:step-00000019", "record": "dry-run", "outcome": "proposed"}
     assert decision_line({**base, "status": "proposed"}, "runs/r") == (
-        "**restart_job checkpoint:step-00000019** — proposed, not applied (a dry run, `dry-run`); to carry it out: "
+        "**restart the job from step-00000019** — proposed, not applied (a dry run, `dry-run`); to carry it out: "
         "`rankwatch recover runs/r --apply`")
     assert decision_line({**base, "status": "applied", "record": "recovery-1", "outcome": "relaunched"}, "runs/r") == (
-        "**restart_job checkpoint:step-00000019** — applied (`recovery-1`): relaunched")
+        "**restart the job from step-00000019** — applied (`recovery-1`): relaunched")
 
 
 def test_charts_stay_readable_from_8_ranks_to_2048() -> None:

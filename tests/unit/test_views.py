@@ -314,3 +314,13 @@ def test_a_hang_is_told_with_the_collectives_left_open(tmp_path: Path) -> None:
     story = views.fail_stop_story(s, hang, views.decisions(run), views.lineage(run))
     assert story.stops.row(0, named=True)["rank"] == 6
     assert story.waits.height >= 15 and 6 not in set(story.waits["rank"])  # every peer waited for it, rank 6 in none
+
+
+def test_a_decision_path_reads_in_words() -> None:
+    words = views.path_words(["class=fail_stop", "gate=none", "membership=pure_dp_reconfigurable_batch",
+                              "checkpoint=step-00000015", "recurrence=none", "-> restart job from step-00000015",
+                              "novel=step"])
+    assert words[0] == "a fail_stop incident" and words[1].startswith("no consistency gate ran: nothing proves")
+    assert "replica can be dropped" in words[2] and words[3].endswith("checkpoint is step-00000015")
+    assert words[5] == "so: restart job from step-00000015" and words[6] == "novel=step"  # unknown: as recorded
+    assert not any("=" in w for w in words[:6])

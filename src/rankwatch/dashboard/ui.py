@@ -35,13 +35,15 @@ def current_store() -> views.ViewStore:
 
 
 def table(df: pl.DataFrame, *, key: str, rows: int = PAGE_ROWS, **kwargs: Any) -> None:
-    """`df` a page of `rows` at a time: a large frame never goes to the browser whole."""
+    """`df` a page of `rows` at a time: a large frame never goes to the browser whole. Shown as people read it
+    (`views.readable`: wall times as local times, nanoseconds as durations, throttle masks by name, no 'None'); an
+    epoch in nanoseconds is also past what a browser's numbers hold exactly."""
     if df.height > rows:
         pages = -(-df.height // rows)
         page = int(st.number_input(f"Page (of {pages}, {rows} rows each; {df.height:,} rows)", min_value=1,
                                    max_value=pages, value=1, step=1, key=f"{key}_page"))
         df = df.slice((page - 1) * rows, rows)
-    st.dataframe(df, key=key, hide_index=True, width="stretch", **kwargs)
+    st.dataframe(views.readable(df), key=key, hide_index=True, width="stretch", **kwargs)
 
 
 def evidence_frame(ev: Evidence) -> pl.DataFrame:
@@ -65,10 +67,10 @@ def ns_to_age(df: pl.DataFrame, now_ns: int) -> pl.DataFrame:
 def decision_line(d: dict[str, Any], run_dir: str) -> str:
     """One decision's state, said the same way for every action: what, whether it was carried out, and the command
     that carries out a proposed one."""
-    action = d["action"] + (f" {d['target']}" if d["target"] else "")
+    action = views.action_text(d["action"], d["target"])
     if d["status"] == "applied":
         return f"**{action}** — applied (`{d['record']}`): {d['outcome']}"
     if d["action"] == "observe":
-        return f"**{action}** — nothing to apply: the job is left as it is"
+        return "**observe** — nothing to apply: the job is left as it is"
     return (f"**{action}** — proposed, not applied (a dry run, `{d['record']}`); to carry it out: "
             f"`rankwatch recover {run_dir} --apply`")

@@ -498,7 +498,7 @@ else:
     for d in detail.decisions.iter_rows(named=True):
         lines = [f"### {views.action_text(d['action'], d['target'])} — {d['status']} ({d['record']}, outcome: "
                  f"{d['outcome']})", "", "Path through the recovery gates:", ""]
-        lines += [f"{n}. `{p}`" for n, p in enumerate(d["path"], 1)]
+        lines += [f"{n}. {w} (`{p}`)" for n, (w, p) in enumerate(zip(views.path_words(d["path"]), d["path"]), 1)]
         lines += ["", "Reasons:", ""] + [f"- {r}" for r in d["reasons"]]
         if d["checkpoint"]:
             lines += ["", f"Checkpoint: `{d['checkpoint']}`"]

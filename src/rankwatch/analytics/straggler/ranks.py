@@ -239,7 +239,8 @@ def _throttle_cause(rank: int, slow_steps: pl.Series, clock: pl.DataFrame,
               Cause.POWER_THROTTLE: int(((fb & _POWER) != 0).sum()),
               Cause.HW_SLOWDOWN: int(((fb & _HW) != 0).sum())}
     cause = max(counts, key=lambda k: counts[k])
-    note = f"{flagged.height}/{g.height} slow steps show {cause.value.replace('_', ' ')} bits"
+    note = (f"{flagged.height} of the {g.height} slow steps with a GPU sample ({slow_steps.len()} slow steps in all) "
+            f"show {cause.value.replace('_', ' ')} bits")
     if drop is not None:
         note += f", SM clock {drop:.0%} of max below the job's median"
     ev = Evidence(

@@ -231,8 +231,11 @@ def timeline(views: ViewStore, incidents: Sequence[Incident], decided: pl.DataFr
                          "exited cleanly", "attempt": r["attempt"]})
         for r in other.filter(~((pl.col("kind") == str(EventKind.EXIT)) & (pl.col("exit_code").fill_null(0) == 0))
                               ).head(max_events).iter_rows(named=True):
-            text = " ".join(str(x) for x in (r["exc_type"], r["message"]) if x) or (
-                f"signal {r['signal']}" if r["signal"] is not None else f"exit code {r['exit_code']}")
+            if r["kind"] == str(EventKind.EXIT):  # its message is the collector's own note, not how it ended
+                text = f"exit code {r['exit_code']}" + (f" (signal {r['signal']})" if r["signal"] is not None else "")
+            else:
+                text = " ".join(str(x) for x in (r["exc_type"], r["message"]) if x) or (
+                    f"signal {r['signal']}" if r["signal"] is not None else f"exit code {r['exit_code']}")
             rows.append({"wall_ns": r["wall_ns"], "kind": r["kind"], "what": text[:200], _R: r[_R], _S: r[_S],
                          "attempt": r["attempt"]})
     ck = views.frame("checkpoints")

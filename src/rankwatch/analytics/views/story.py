@@ -124,6 +124,48 @@ def _clock(wall_ns: int) -> str:
     return time.strftime("%H:%M:%S", time.localtime(wall_ns / 1e9)) + f".{wall_ns // 1_000_000 % 1000:03d}"
 
 
+_STEP_WORDS = {
+    "gate=none": "no consistency gate ran: nothing proves the ranks still agree on step, model, optimizer, RNG and "
+                 "data position",
+    "gate=agree": "the consistency gate found the ranks agreeing on step, model, optimizer, RNG and data position",
+    "gate=disagree": "the consistency gate found ranks that disagree",
+    "gate=unknown": "the consistency gate could not run, or not every rank answered",
+    "membership=fixed_shapes": "the job's shapes are fixed: no rank can be dropped or swapped in place",
+    "membership=spare_replacement": "a spare can take a lost rank's place (world size and layout unchanged)",
+    "membership=pure_dp_reconfigurable_batch": "the job is pure data parallel: a replica can be dropped and the "
+                                               "batch re-split over the rest",
+    "idempotent=idempotent": "the failed operation is declared idempotent",
+    "idempotent=not_idempotent": "the failed operation is not idempotent",
+    "idempotent=unknown": "the failed operation is not declared idempotent (treated as not)",
+    "checkpoint=none": "there is no clean committed checkpoint",
+    "recurrence=none": "it has not recurred",
+    "input=partial": "part of the telemetry could not be read",
+    "hung ranks answered": "the hung ranks answered again",
+    "hung ranks silent": "the hung ranks stayed silent",
+}
+
+
+def path_words(path: Sequence[str]) -> tuple[str, ...]:
+    """A decision's recorded path through the recovery gates (`gate=none`, `membership=...`, `-> restart job from
+    X`), step by step in words; a step this version does not know is kept as recorded."""
+    out = []
+    for step in path:
+        key, _, value = step.partition("=")
+        if step in _STEP_WORDS:
+            out.append(_STEP_WORDS[step])
+        elif step.startswith("->"):
+            out.append("so: " + step.removeprefix("->").strip())
+        elif key == "class":
+            out.append(f"a {value} incident")
+        elif key == "checkpoint":
+            out.append(f"the newest complete, verified checkpoint is {value}")
+        elif key == "recurrence":
+            out.append(f"it recurred, following the {value}")
+        else:
+            out.append(step)
+    return tuple(out)
+
+
 # -- each incident's state and next step ---------------------------------------------------------------------------
 
 STATES = ("open", "proposed", "recovered", "observed", "failed")

@@ -52,10 +52,14 @@ def _decisions(dec: pl.DataFrame, run_dir: str) -> None:
         return
     for d in dec.iter_rows(named=True):
         st.markdown(ui.decision_line(d, run_dir))
-        st.markdown("How it was decided: " + " → ".join(f"`{p}`" for p in d["path"]) if d["path"]
-                    else "How it was decided: not recorded")
-        for r in d["reasons"]:
-            st.markdown(f"- {r}")
+        if d["path"]:
+            st.markdown("How it was decided:\n" + "\n".join(f"{n}. {w}" for n, w in enumerate(
+                views.path_words(d["path"]), 1)))
+            st.caption("Recorded path: " + " → ".join(f"`{p}`" for p in d["path"]))
+        else:
+            st.markdown("How it was decided: not recorded")
+        if d["reasons"]:
+            st.markdown("Why:\n" + "\n".join(f"- {r}" for r in d["reasons"]))
         if d["comparability"]:
             st.caption(f"Lineage verdict: {d['comparability']}"
                        + (f" (changed: {', '.join(d['changed'])})" if d["changed"] else ""))
