@@ -89,7 +89,8 @@ def test_incident_table_and_selectbox(monkeypatch: pytest.MonkeyPatch, run: Path
     at.switch_page("screens/incidents.py").run()
     assert any(straggler_id in o for o in at.selectbox(key="incident").options)
     table = at.dataframe[0].value
-    assert list(table.columns) == ["class", "subject", "since", "state", "decision", "cause", "summary"]
+    assert list(table.columns) == ["#", "class", "subject", "since", "state", "decision", "cause", "summary"]
+    assert table["#"].to_list() == ["#1"]  # the incident's mark, the same on every page
     assert "observed" in table["state"].to_list()
     assert not at.header
     at.selectbox(key="incident").select(straggler_id).run()
@@ -130,7 +131,9 @@ def test_overview_names_the_open_incident_and_the_command_that_applies_it(monkey
     assert not at.exception, at.exception
     assert at.error and "1 incident(s) need a decision or an action" in at.error[0].value
     text = _text(at)
-    assert "**fail_stop** on `rank:3`" in text and "cause **exit**" in text
+    assert ":red[**#1**] **fail_stop** on `rank:3`" in text and "cause **exit**" in text  # its mark on every page
+    at.switch_page("screens/timeline.py").run()
+    assert any(w.startswith("#1 fail_stop rank:3") for w in at.dataframe[0].value["what"].to_list())
     assert f"`rankwatch recover {stopped} --apply`" in text and "restart the job from step 0" in text
 
 

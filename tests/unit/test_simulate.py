@@ -185,7 +185,7 @@ def test_labels_round_trip(clean: Path) -> None:
         ("bad_device:host=0,index=4", "device slot 4 does not exist (a host has slots 0..3)"),
         ("slow_link:hosts=0-1,until=9", "slow_link until= is train-only"),
         ("corruption:rank=1,step=3,kind=bitflip_param", "spelled bitflip:rank=,step=,target=param"),
-        ("straggler:rank=1,slow=3", "slow=3"),  # the old spelling validates as it did
+        ("straggler:rank=1,slow=0.3", "unknown kind 'straggler'"),  # the simulator's old spelling: one syntax now
     ],
 )
 def test_spec_errors_are_one_line_and_name_the_spec(spec: str, fragment: str) -> None:
@@ -349,15 +349,12 @@ def test_a_mistyped_kind_gets_the_nearest_one(typo: str, meant: str) -> None:
         parse_sim_fault(f"{typo}:rank=1")
 
 
-def test_the_old_spellings_still_parse_and_are_never_offered() -> None:
+def test_the_old_spellings_are_gone_and_never_offered() -> None:
     from rankwatch.simulator.faults import SIM_FAULT_HELP
 
-    assert parse_sim_fault("straggler:rank=5,from=100,slow=0.1,period=10,burst=2,cause=thermal") == Straggler(
-        rank=5, from_step=100, slow=0.1, period=10, burst=2, cause=StragglerCause.THERMAL)
-    assert parse_sim_fault("straggler:rank=5,from=100,slow=0.1") == parse_sim_fault(
-        "gpu_slow:rank=5,from=100,factor=1.1")
-    assert parse_sim_fault("fail_stop:rank=3,step=150") == parse_sim_fault("exit:rank=3,step=150")
-    assert parse_sim_fault("fail_stop:rank=3,step=150,how=vanished") == parse_sim_fault("vanish:rank=3,step=150")
+    for old in ("straggler:rank=5,from=100,slow=0.1", "fail_stop:rank=3,step=150"):
+        with pytest.raises(ValueError, match="unknown kind"):
+            parse_sim_fault(old)
     with pytest.raises(ValueError) as info:
         parse_sim_fault("stragler:rank=1")
     for old in ("straggler", "fail_stop", "slow="):

@@ -143,14 +143,16 @@ def quarantine(run_dir: str) -> pl.DataFrame:
 
 @st.cache_data(ttl=_FILES_TTL_S, max_entries=64, show_spinner=False)
 def incident_table(run_dir: str, built: int) -> pl.DataFrame:
-    """The incident table with each incident's state, decision in words and next step (`views.incident_states`),
-    and when it was detected as a local time."""
+    """The incident table with each incident's mark (`#`, `color`: the same on every page), state, decision in words
+    and next step (`views.incident_states`), and when it was detected as a local time."""
     found = incidents(run_dir, built)
     table = views.incident_table(found, decisions(run_dir), _store(run_dir, built).summary.start_wall_ns)
     states = views.incident_states(found, decisions(run_dir), run_dir)
-    when = pl.DataFrame({"id": [i.id for i in found],
+    marks = views.incident_marks(found)
+    when = pl.DataFrame({"id": [i.id for i in found], "#": [marks[i.id].label for i in found],
+                         "color": [marks[i.id].color for i in found],
                          "since": [views.local_time(i.detection_wall_ns)[5:] for i in found]}, schema={
-        "id": pl.String, "since": pl.String})
+        "id": pl.String, "#": pl.String, "color": pl.String, "since": pl.String})
     return table.drop("decision", "status").join(states, on="id", how="left").join(when, on="id", how="left")
 
 

@@ -514,23 +514,6 @@ SIM_FAULT_HELP = (
 """The vocabulary of `rankwatch simulate --fault` (cli.py spells it out so as not to import the simulator; a test
 pins the two together)."""
 
-_DEPRECATED: dict[str, _Kind] = {
-    "straggler": _Kind(
-        keys={"rank": int, "from": int, "until": int, "slow": float, "period": int, "burst": int,
-              "cause": StragglerCause}, required=("rank", "slow"),
-        build=_fields(Straggler, {"rank": "rank", "from": "from_step", "until": "until_step", "slow": "slow",
-                                  "period": "period", "burst": "burst", "cause": "cause"})),
-    "fail_stop": _Kind(
-        keys={"rank": int, "step": int, "how": FailHow, "signal": int, "in_collective": _flag},
-        required=("rank", "step"),
-        build=_fields(FailStop, {"rank": "rank", "step": "step", "how": "how", "signal": "signal",
-                                 "in_collective": "in_collective"})),
-}
-"""The simulator's spellings before it took train's, still parsed for the callers written in them and never listed:
-``straggler:...,slow=F`` is ``gpu_slow:...,factor=1+F`` (``cause=host_stall``: ``slow:...,delay=``; thermal and
-power: ``throttle:...,reason=``; dataloader: ``dataloader:...,delay=``), ``fail_stop`` is exit, kill or vanish."""
-
-
 def parse_sim_fault(text: str, cfg: _RunShape | None = None) -> SimFault:
     """Parse ``KIND:key=value,...`` in train's spelling where train has the fault (`SIM_FAULT_HELP`; lists as
     ``ranks=3+7``, flags as 0/1). `cfg` is the `SimConfig` the fault goes into (its faults unread): a delay in
@@ -540,7 +523,7 @@ def parse_sim_fault(text: str, cfg: _RunShape | None = None) -> SimFault:
     if kind in TRAIN_ONLY_KINDS:
         raise ValueError(f"sim fault {text!r}: {kind} is a train-only fault (rankwatch train --fault); the simulator "
                          f"does not model it")
-    spelling = _KINDS.get(kind) or _DEPRECATED.get(kind)
+    spelling = _KINDS.get(kind)
     if spelling is None:
         near = difflib.get_close_matches(kind, list(_KINDS), n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""

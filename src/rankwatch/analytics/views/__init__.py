@@ -22,8 +22,8 @@ from rankwatch.analytics.views.records import (
     Comparability, comparability, decisions, lineage, quarantine, recorded_incidents,
 )
 from rankwatch.analytics.views.story import (
-    STATES, FailStopStory, action_text, duration, fail_stop_story, incident_states, is_fail_stop, local_time,
-    path_words, readable, readable_text, signal_name, throttle_names,
+    STATES, FailStopStory, Mark, action_text, duration, fail_stop_story, incident_marks, incident_states,
+    is_fail_stop, local_time, path_words, readable, readable_text, signal_name, throttle_names,
 )
 from rankwatch.analytics.views.store import (
     MANIFEST, VIEWS_VERSION, RunViews, ViewStore, ViewSummary, stored_views, telemetry_signature, views_dir,
@@ -33,7 +33,7 @@ from rankwatch.analytics.views.store import (
 __all__ = [
     "FRAME_NAMES", "LIVE_SKEW_NS", "MANIFEST", "STATES", "VIEWS_VERSION", "Comparability", "FailStopStory",
     "IncidentDetail", "RunViews", "action_text", "duration", "fail_stop_story", "incident_states", "is_fail_stop",
-    "local_time", "path_words", "readable", "readable_text", "signal_name", "throttle_names",
+    "local_time", "incident_marks", "Mark", "path_words", "readable", "readable_text", "signal_name", "throttle_names",
     "ViewStore", "ViewSummary", "across_runs", "breakdown", "build_views", "checkpoint_summary", "collective_progress",
     "comparability", "decisions", "fingerprint_summary", "gpu_peers", "grid", "heartbeat_age", "heatmap", "incident_detail",
     "incident_table", "leaderboard", "lineage", "link_summary", "live_progress", "observation", "progress_frame",

@@ -15,6 +15,7 @@ from rankwatch.analytics.incidents import Incident, IncidentClass, SubjectKind
 from rankwatch.analytics.localize import Localization, RunObservation, localize
 from rankwatch.analytics.views.records import decisions, recorded_incidents
 from rankwatch.analytics.views.store import ViewStore
+from rankwatch.analytics.views.story import incident_marks
 from rankwatch.base.schema import CheckpointPhase, EventKind
 
 _R, _S = "rank", "step"
@@ -245,10 +246,11 @@ def timeline(views: ViewStore, incidents: Sequence[Incident], decided: pl.DataFr
         rows.append({"wall_ns": r["end_wall_ns"], "kind": "checkpoint saved" if saved else "checkpoint loaded",
                      "what": f"{r['checkpoint_id']} (step {r[_S]}, {r['ranks']} ranks{'' if r['ok'] else ', FAILED'})",
                      _S: r[_S]})
+    marks = incident_marks(incidents)
     for i in incidents:
         if i.detection_wall_ns is not None:
-            rows.append({"wall_ns": i.detection_wall_ns, "kind": "incident", "what": f"{i.klass} {i.subject}: "
-                         f"{i.summary}"[:200], _S: i.detection_step, "attempt": i.attempt})
+            rows.append({"wall_ns": i.detection_wall_ns, "kind": "incident", "what": f"{marks[i.id].label} {i.klass} "
+                         f"{i.subject}: {i.summary}"[:200], _S: i.detection_step, "attempt": i.attempt})
     for d in decided.iter_rows(named=True):
         rows.append({"wall_ns": d["wall_ns"], "kind": f"decision ({d['status']})",
                      "what": f"{d['class']} {d['subject']}: {d['action']}" + (f" {d['target']}" if d["target"] else "")

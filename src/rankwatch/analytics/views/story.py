@@ -166,6 +166,29 @@ def path_words(path: Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+_MARKS = (("red", "#d62728"), ("orange", "#ff7f0e"), ("violet", "#9467bd"), ("blue", "#1f77b4"),
+          ("green", "#2ca02c"), ("gray", "#7f7f7f"))
+"""(Streamlit's colour name, the same colour for charts): an incident keeps its colour on every page."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Mark:
+    """An incident's identity across pages: its number in the run (most consequential first) and its colour."""
+
+    label: str
+    """`#1`, `#2`, ... in the order the incidents are given (the run's most consequential first)."""
+    color: str
+    """A Streamlit colour name (`red`), for `:red[...]` text."""
+    hex: str
+    """The same colour for charts."""
+
+
+def incident_marks(incidents: Sequence[Incident]) -> dict[str, Mark]:
+    """Each incident's mark, by id: numbered in the order given, coloured in turn."""
+    return {i.id: Mark(label=f"#{n + 1}", color=_MARKS[n % len(_MARKS)][0], hex=_MARKS[n % len(_MARKS)][1])
+            for n, i in enumerate(incidents)}
+
+
 # -- each incident's state and next step ---------------------------------------------------------------------------
 
 STATES = ("open", "proposed", "recovered", "observed", "failed")

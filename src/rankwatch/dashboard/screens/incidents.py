@@ -17,7 +17,7 @@ from rankwatch.dashboard import charts, data, ui
 _KEY = "incident"
 # what fits 1440 px beside the sidebar: the id is the selectbox's, steps and confidence the detail's (a bare string
 # here would be drawn on the page: Streamlit's magic writes every expression statement)
-_TABLE = ("class", "subject", "since", "state", "decision", "cause", "summary")
+_TABLE = ("#", "class", "subject", "since", "state", "decision", "cause", "summary")
 _STRAGGLING = (IncidentClass.STRAGGLER, IncidentClass.IMBALANCE, IncidentClass.UNCLASSIFIED)
 
 
@@ -90,9 +90,9 @@ def _straggling(store: views.ViewStore, inc: Incident, det: views.IncidentDetail
              "incident_arrivals", "No collective arrivals.")
 
 
-def _detail(store: views.ViewStore, inc: Incident) -> None:
+def _detail(store: views.ViewStore, inc: Incident, mark: str) -> None:
     st.header(f"Incident {inc.id}")
-    st.markdown(f"**{inc.klass}** on `{inc.subject}` — {views.readable_text(inc.summary)}")
+    st.markdown(f"{mark} **{inc.klass}** on `{inc.subject}` — {views.readable_text(inc.summary)}")
     a, b, c, d = st.columns(4)
     a.metric("Cause", str(inc.cause))
     b.metric("Onset step", "—" if inc.onset_step is None else inc.onset_step)
@@ -131,19 +131,22 @@ def main() -> None:
         st.success("No incidents: nothing in this run needs a look.")
         return
     ui.table(table.select(_TABLE), key="incident_table", column_config={  # 960 px: the main area at 1440 px
+        "#": st.column_config.TextColumn(width=40, help="the incident's number in this run, on every page"),
         "class": st.column_config.TextColumn(width=90), "subject": st.column_config.TextColumn(width=90),
         "since": st.column_config.TextColumn("detected", width=120, help="local time of detection"),
         "state": st.column_config.TextColumn(width=80), "decision": st.column_config.TextColumn(width=200),
-        "cause": st.column_config.TextColumn(width=110), "summary": st.column_config.TextColumn(width=270)})
+        "cause": st.column_config.TextColumn(width=110), "summary": st.column_config.TextColumn(width=230)})
     ids = table["id"].to_list()
-    label = dict(zip(ids, (f"{c} {s} — {i}" for i, c, s in table.select("id", "class", "subject").iter_rows())))
+    label = dict(zip(ids, (f"{m} {c} {s} — {i}" for i, m, c, s in table.select("id", "#", "class", "subject"
+                                                                              ).iter_rows())))
     _follow_link(ids)
     chosen = st.selectbox("Incident", ids, index=None, key=_KEY, placeholder="Choose an incident to see its evidence",
                           format_func=lambda i: label.get(i, i), on_change=_to_link)
     if chosen is None:
         return
     by_id = {i.id: i for i in data.incidents(*data.key(store))}
-    _detail(store, by_id[chosen])
+    mark = table.filter(pl.col("id") == chosen).row(0, named=True)
+    _detail(store, by_id[chosen], f":{mark['color']}[**{mark['#']}**]")
 
 
 main()

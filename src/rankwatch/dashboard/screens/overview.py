@@ -19,7 +19,8 @@ def _card(row: dict[str, object], run_name: str) -> None:
     with st.container(border=True):
         since = f"since {row['since']}" + (f" ({row['since_s']:.0f} s into the run)"
                                            if isinstance(row["since_s"], float) else "")
-        st.markdown(f"**{row['class']}** on `{row['subject']}` — {since} · cause **{row['cause']}**")
+        st.markdown(f":{row['color']}[**{row['#']}**] **{row['class']}** on `{row['subject']}` — {since} · cause "
+                    f"**{row['cause']}**")
         st.markdown(str(row["summary"]))
         st.markdown(f"Decision: **{row['decision']}** ({row['state']}). Next: {row['next_step']}")
         st.page_link("screens/incidents.py", label="Open its evidence", icon=":material/arrow_forward:",
@@ -56,7 +57,7 @@ def main() -> None:
         st.warning(f"The trajectory changed: {line}")
     if settled.height:
         st.subheader("Recovered or observed")
-        st.table(settled.select("class", "subject", "since", "cause", "state", "decision", "next_step").rename(
+        st.table(settled.select("#", "class", "subject", "since", "cause", "state", "decision", "next_step").rename(
             {"next_step": "next step"}).to_pandas())
 
 
