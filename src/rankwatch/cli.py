@@ -380,7 +380,7 @@ def _simulate(args: argparse.Namespace) -> int:
     cfg = replace(cfg, faults=tuple(parse_sim_fault(f, cfg) for f in args.fault))  # seconds and slots need the run
     print(f"rankwatch simulate: {layout.world_size} ranks ({layout}) on {args.hosts} hosts, {args.steps} steps, "
           f"{args.timing} timing -> {args.out}")
-    result = simulate(cfg, args.out)
+    result = simulate(cfg, args.out, progress=lambda line: print(f"  .. {line}", file=sys.stderr, flush=True))
     rows = sum(result.rows.values())
     print(f"  wrote {rows} rows in {result.elapsed_s:.1f}s; ground truth: {args.out / 'labels.json'}")
     for label in result.labels.expected:
@@ -683,6 +683,11 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+_SAYS_IT_STARTED = {"recover": "reading the run, analysing it and deciding", "lineage": "verifying the lineage and "
+                    "judging its promises against the replayed fingerprints", "localize": "reading every run's incidents"}
+"""Commands that take seconds before their first line (their imports and their reading) and have no progress of their
+own: a line on stderr at once when stderr is a terminal (a person waiting), so it never sits silent; a pipe or a log
+keeps its one line per outcome."""
 _READS_RUNS = frozenset({"telemetry", "analyze", "checkpoints", "evidence", "recover", "lineage", "rollup",
                          "dashboard", "postmortem", "localize"})
 """Commands whose runs must exist and be runs."""
@@ -861,6 +866,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"rankwatch {args.command}: error: {problem}", file=sys.stderr)
                 return 2
     configure_logging(getattr(args, "log_level", "warning"))
+    if args.command in _SAYS_IT_STARTED and sys.stderr.isatty() and not getattr(args, "json", False):
+        print(f"rankwatch {args.command}: {_SAYS_IT_STARTED[args.command]} …", file=sys.stderr, flush=True)
     handlers = {"train": _train, "demo": _demo, "telemetry": _telemetry, "analyze": _analyze, "simulate": _simulate,
                 "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,
                 "evidence": _evidence, "recover": _recover, "rollup": _rollup, "lineage": _lineage,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,19 +70,25 @@ def test_simulate_bad_input(argv: list[str], expected: str, tmp_path: Path, caps
     assert not (tmp_path / "sim").exists()
 
 
-def test_simulate_analyze_and_localize(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_analyze_and_localize(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "sim"
     assert main(["simulate", "--ranks", "16", "--hosts", "2", "--layout", "dp=4,tp=2,pp=2", "--steps", "60",
                  "--out", str(out), "--fault", "gpu_slow:rank=5,from=30,factor=1.3", "--no-phases"]) == 0
-    assert "expect straggler rank:5 from step 30" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "expect straggler rank:5 from step 30" in said.out
+    assert "  .. writing steps (" in said.err  # simulate at 2,048 ranks takes ~20 s: a line per table
     assert main(["analyze", str(out), "--json", "--quiet"]) == 0
     import json
 
     incidents = json.loads(capsys.readouterr().out)["incidents"]
     assert [(i["class"], i["subject_kind"], i["subject"]) for i in incidents] == [("straggler", "rank", "5")]
     assert (out / "analysis" / "incidents.parquet").exists()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a person at a terminal
     assert main(["localize", str(out)]) == 0
-    assert "follows inconclusive" in capsys.readouterr().out  # one run cannot tell a device from a rank
+    said = capsys.readouterr()
+    assert "follows inconclusive" in said.out  # one run cannot tell a device from a rank
+    assert said.err.startswith("rankwatch localize: reading every run's incidents …")  # before seconds of work
 
 
 def test_analyze_warns_about_a_cut_part_and_goes_on(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

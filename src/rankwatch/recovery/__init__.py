@@ -8,18 +8,41 @@ contract never loads the analysis stack: the recovery-scope policy (`rankwatch.r
 lineage promises judged by replay verification (`rankwatch.recovery.promises`).
 """
 
-from rankwatch.recovery.catalog import Candidate, Manifest, Verdict, choose, list_checkpoints
-from rankwatch.recovery.checkpoint import CheckpointConfig, LoadResult, SaveResult, load_checkpoint, save_checkpoint
-from rankwatch.recovery.decision import (
-    Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, GateVerdict, Idempotency, MembershipSupport,
-    ScopeKind, Target, TargetKind,
-)
-from rankwatch.recovery.determinism import DeterminismInputs, pin_ddp_buckets
-from rankwatch.recovery.evidence import EvidenceBundle, preserve_evidence, verify_evidence
-from rankwatch.recovery.gate import Domain, GateOutcome, RankState, run_gate
-from rankwatch.recovery.job import FakeLauncher, Job, JobDeclaration, JobLoader, LaunchResult, Launcher
-from rankwatch.recovery.lineage import Lineage, check_lineage
-from rankwatch.recovery.resume import GateRefused, last_completed_step, preflight
+from typing import TYPE_CHECKING
+
+from rankwatch.base.lazy import lazy_names
+
+if TYPE_CHECKING:
+    from rankwatch.recovery.catalog import Candidate, Manifest, Verdict, choose, list_checkpoints
+    from rankwatch.recovery.checkpoint import CheckpointConfig, LoadResult, SaveResult, load_checkpoint, save_checkpoint
+    from rankwatch.recovery.decision import (
+        Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, GateVerdict, Idempotency, MembershipSupport,
+        ScopeKind, Target, TargetKind,
+    )
+    from rankwatch.recovery.determinism import DeterminismInputs, pin_ddp_buckets
+    from rankwatch.recovery.evidence import EvidenceBundle, preserve_evidence, verify_evidence
+    from rankwatch.recovery.gate import Domain, GateOutcome, RankState, run_gate
+    from rankwatch.recovery.job import FakeLauncher, Job, JobDeclaration, JobLoader, LaunchResult, Launcher
+    from rankwatch.recovery.lineage import Lineage, check_lineage
+    from rankwatch.recovery.resume import GateRefused, last_completed_step, preflight
+
+_LAZY = {
+    "Action": "decision", "Candidate": "catalog", "CheckpointCatalogView": "decision", "CheckpointConfig":
+    "checkpoint", "CheckpointRef": "decision", "Decision": "decision", "DeterminismInputs": "determinism",
+    "Domain": "gate", "EvidenceBundle": "evidence", "FakeLauncher": "job", "GateOutcome": "gate", "GateRefused":
+    "resume", "GateResult": "decision", "GateVerdict": "decision", "Idempotency": "decision", "Job": "job",
+    "JobDeclaration": "job", "JobLoader": "job", "LaunchResult": "job", "Launcher": "job", "Lineage": "lineage",
+    "LoadResult": "checkpoint", "Manifest": "catalog", "MembershipSupport": "decision", "RankState": "gate",
+    "SaveResult": "checkpoint", "ScopeKind": "decision", "Target": "decision", "TargetKind": "decision",
+    "Verdict": "catalog", "check_lineage": "lineage", "choose": "catalog", "last_completed_step": "resume",
+    "list_checkpoints": "catalog", "load_checkpoint": "checkpoint", "pin_ddp_buckets": "determinism", "preflight":
+    "resume", "preserve_evidence": "evidence", "run_gate": "gate", "save_checkpoint": "checkpoint",
+    "verify_evidence": "evidence",
+}
+"""Name -> the module of this package that defines it, imported on first use: reading a run's lineage or catalog
+does not load torch (the checkpoint protocol, the gate and the determinism inputs do)."""
+
+__getattr__ = lazy_names(__name__, _LAZY)
 
 __all__ = [
     "Action", "Candidate", "CheckpointCatalogView", "CheckpointConfig", "CheckpointRef", "Decision",

@@ -39,8 +39,9 @@ class SimResult:
     elapsed_s: float
 
 
-def simulate(cfg: SimConfig, out: Path) -> SimResult:
-    """Write the run `cfg` describes to `out` (telemetry/ and labels.json); `out` must not hold telemetry yet."""
+def simulate(cfg: SimConfig, out: Path, *, progress: Callable[[str], None] = lambda _: None) -> SimResult:
+    """Write the run `cfg` describes to `out` (telemetry/ and labels.json); `out` must not hold telemetry yet.
+    `progress` hears a line per stage (the step model, then each table written)."""
     t0 = time.perf_counter()
     out = Path(out)
     if (out / TELEMETRY_DIR).exists():
@@ -48,6 +49,7 @@ def simulate(cfg: SimConfig, out: Path) -> SimResult:
     topo = _Topo(cfg)
     rng = np.random.default_rng([cfg.seed, 0x51A])
     inp = _inputs(cfg, topo, rng)
+    progress(f"modelling {cfg.steps} steps of {topo.n} ranks")
     gpu = cfg.timing is Timing.GPU
     tr = _step_loop(cfg, topo, rng, inp.comp, inp.dl, inp.ckpt, inp.link_mult, inp.stop, inp.stuck_dp, inp.stall,
                     gpu=gpu)
@@ -64,6 +66,7 @@ def simulate(cfg: SimConfig, out: Path) -> SimResult:
         builders.append((Table.PHASES, b.phases))
     rows: dict[Table, int] = {}
     for table, build in builders:  # collectives before events: heartbeats name the collective a rank is stuck in
+        progress(f"writing {table} ({time.perf_counter() - t0:.1f}s)")
         data = build()
         rows[table] = data.num_rows
         _write_parts(out, table, data, topo.n)
