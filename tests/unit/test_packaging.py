@@ -265,7 +265,7 @@ EXPORTS = {
         "heartbeat_age", "heatmap", "incident_detail", "incident_table", "leaderboard", "lineage", "link_summary",
         "live_progress", "observation", "progress_frame", "quarantine", "rank_steps", "recorded_incidents",
         "run_incidents", "stored_views", "telemetry_signature", "timeline", "topology_status", "views_dir",
-        "write_views", "STATES", "FailStopStory", "action_text", "duration", "fail_stop_story", "incident_states",
+        "write_views", "PENDING", "STATES", "FailStopStory", "action_text", "duration", "fail_stop_story", "incident_states",
         "is_fail_stop", "local_time", "incident_marks", "Mark", "path_words", "readable", "readable_text", "signal_name", "throttle_names",
     },
     "rankwatch.analytics.liveness": {

@@ -324,3 +324,16 @@ def test_a_decision_path_reads_in_words() -> None:
     assert "replica can be dropped" in words[2] and words[3].endswith("checkpoint is step-00000015")
     assert words[5] == "so: restart job from step-00000015" and words[6] == "novel=step"  # unknown: as recorded
     assert not any("=" in w for w in words[:6])
+
+
+@pytest.mark.parametrize(("outcome", "state"), [("recovered", "recovered"), ("quarantined", "quarantined"),
+                                                ("observed", "observed"), ("relaunch_failed", "failed"),
+                                                ("relaunch_refused", "failed")])
+def test_an_applied_decision_reads_as_its_outcome(run: Path, outcome: str, state: str) -> None:
+    store = ensure_views(run)
+    applied = views.decisions(run).with_columns(pl.lit("applied").alias("status"), pl.lit("recovery-0001").alias(
+        "record"), pl.lit(outcome).alias("outcome"), pl.lit("quarantine").alias("action"),
+        pl.lit("device:GPU-1").alias("target"))
+    row = views.incident_states(store.incidents, applied, str(run)).row(0, named=True)
+    assert row["state"] == state and row["decision"] == "quarantine device GPU-1"
+    assert row["next_step"].startswith("look:" if state == "failed" else "nothing to do: recovery-0001")

@@ -143,7 +143,7 @@ _last = events.filter(pl.col("attempt") == last_attempt)
 ended = summary.ended or bool(events.height) and set(
     _last.filter(pl.col("kind") == str(EventKind.START))["rank"].to_list()) <= set(
     _last.filter(pl.col("kind") == str(EventKind.EXIT))["rank"].to_list())
-pending = states.filter(pl.col("state").is_in(["open", "proposed", "failed"]))
+pending = states.filter(pl.col("state").is_in(views.PENDING))
 
 
 def _recoveries():

@@ -22,7 +22,7 @@ from rankwatch.analytics.views.records import (
     Comparability, comparability, decisions, lineage, quarantine, recorded_incidents,
 )
 from rankwatch.analytics.views.story import (
-    STATES, FailStopStory, Mark, action_text, duration, fail_stop_story, incident_marks, incident_states,
+    PENDING, STATES, FailStopStory, Mark, action_text, duration, fail_stop_story, incident_marks, incident_states,
     is_fail_stop, local_time, path_words, readable, readable_text, signal_name, throttle_names,
 )
 from rankwatch.analytics.views.store import (
@@ -31,7 +31,7 @@ from rankwatch.analytics.views.store import (
 )
 
 __all__ = [
-    "FRAME_NAMES", "LIVE_SKEW_NS", "MANIFEST", "STATES", "VIEWS_VERSION", "Comparability", "FailStopStory",
+    "FRAME_NAMES", "LIVE_SKEW_NS", "MANIFEST", "PENDING", "STATES", "VIEWS_VERSION", "Comparability", "FailStopStory",
     "IncidentDetail", "RunViews", "action_text", "duration", "fail_stop_story", "incident_states", "is_fail_stop",
     "local_time", "incident_marks", "Mark", "path_words", "readable", "readable_text", "signal_name", "throttle_names",
     "ViewStore", "ViewSummary", "across_runs", "breakdown", "build_views", "checkpoint_summary", "collective_progress",

@@ -191,10 +191,12 @@ def incident_marks(incidents: Sequence[Incident]) -> dict[str, Mark]:
 
 # -- each incident's state and next step ---------------------------------------------------------------------------
 
-STATES = ("open", "proposed", "recovered", "observed", "failed")
+STATES = ("open", "proposed", "recovered", "quarantined", "observed", "failed")
 """An incident's state: `open` (nothing decided), `proposed` (a dry-run plan waits to be applied), `recovered` (a
-recovery was applied and its attempt completed), `observed` (the policy leaves the job as it is), `failed` (an applied
-recovery did not end in a completed attempt)."""
+recovery was applied and its attempt completed), `quarantined` (a quarantine was applied; the job was not touched),
+`observed` (the policy leaves the job as it is), `failed` (an applied recovery was refused or its relaunch failed)."""
+PENDING = ("open", "proposed", "failed")
+"""The states that need a person: nothing decided, a proposal not applied, a recovery that failed."""
 
 
 def _state(d: dict[str, Any] | None, run_dir: str) -> tuple[str, str, str]:
@@ -209,8 +211,15 @@ def _state(d: dict[str, Any] | None, run_dir: str) -> tuple[str, str, str]:
                                                                                             else ""))
     if d["status"] == "proposed":
         return ("proposed", action, f"apply: `rankwatch recover {run_dir} --apply` ({d['record']} is a dry run)")
-    if d["outcome"] in ("recovered", "completed", "attempt completed"):
+    # an applied record's outcome is the manager's (`control.manager.Outcome`): recovered, quarantined, observed,
+    # relaunch_failed, relaunch_refused
+    if d["outcome"] == "recovered":
         return ("recovered", action, f"nothing to do: {d['record']} carried out '{action}' and the job completed")
+    if d["outcome"] == "quarantined":
+        return ("quarantined", action, f"nothing to do: {d['record']} carried out '{action}'; the job goes on "
+                                       "without it")
+    if d["outcome"] == "observed":
+        return ("observed", action, f"nothing to do: {d['record']} left the job as it is")
     return ("failed", action, f"look: {d['record']} {action} ended '{d['outcome']}'; see `rankwatch lineage "
                               f"{run_dir}` and the recovery record")
 
@@ -344,10 +353,6 @@ def _waits(incident: Incident, abnormal: pl.DataFrame) -> pl.DataFrame:
                                                                                           nulls_last=True)
 
 
-def culprits_of(incident: Incident) -> set[int]:
-    return set(incident.ranks)
-
-
 def fail_stop_story(views: ViewStore, incident: Incident, decided: pl.DataFrame,
                     lineage_frame: pl.DataFrame) -> FailStopStory:
     """Tell `incident` (a fail-stop or a hang) from the run's events, steps, decisions and lineage."""
@@ -365,8 +370,8 @@ def fail_stop_story(views: ViewStore, incident: Incident, decided: pl.DataFrame,
     seen = dict(steps.group_by(_R).agg(pl.col("end_wall_ns").max()).iter_rows()) if steps.height else {}
     topo = views.frame("topology")
     hosts = dict(topo.select(_R, "host").unique(_R).iter_rows()) if topo.height else {}
-    ranks = sorted(set(hosts) | set(first_event) | culprits_of(incident))
-    culprits = culprits_of(incident)
+    ranks = sorted(set(hosts) | set(first_event) | set(incident.ranks))
+    culprits = set(incident.ranks)
     rows = []
     for rank in ranks:
         e = first_event.get(rank)

@@ -11,7 +11,7 @@ import streamlit as st
 from rankwatch.analytics import views
 from rankwatch.dashboard import data, ui
 
-_NEEDS_A_LOOK = ("open", "proposed", "failed")
+_NEEDS_A_LOOK = views.PENDING
 _CARDS = 8
 
 
@@ -37,8 +37,8 @@ def main() -> None:
     if pending.height:
         st.error(f"{pending.height} incident(s) need a decision or an action; {settled.height} settled.")
     elif settled.height:
-        st.success(f"Nothing needs a look now: each of the {settled.height} incident(s) was recovered or is "
-                   "observed.")
+        st.success(f"Nothing needs a look now: each of the {settled.height} incident(s) was recovered, "
+                   "quarantined or is observed.")
     else:
         st.success("Nothing needs a look: the analysis found no incident in this run.")
     run_name = str(st.query_params.get("run", ""))
@@ -56,7 +56,7 @@ def main() -> None:
     if not bitwise:
         st.warning(f"The trajectory changed: {line}")
     if settled.height:
-        st.subheader("Recovered or observed")
+        st.subheader("Recovered, quarantined or observed")
         st.table(settled.select("#", "class", "subject", "since", "cause", "state", "decision", "next_step").rename(
             {"next_step": "next step"}).to_pandas())
 
