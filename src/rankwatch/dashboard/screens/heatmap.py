@@ -50,9 +50,8 @@ def main() -> None:
     g = data.grid(*k, "score")
     if g.height:
         st.subheader("dp x pp grid (worst tensor-parallel rank's straggler score)")
-        chart = charts.grid(g, "score")
-        st.altair_chart(chart, key="grid_chart", on_select=lambda: _pick("grid_chart", charts.GRID_PICK, lb),
-                        selection_mode=charts.GRID_PICK, height=int(chart.to_dict()["height"]))
+        st.altair_chart(charts.grid(g, "score"), key="grid_chart", on_select=lambda: _pick(
+            "grid_chart", charts.GRID_PICK, lb), selection_mode=charts.GRID_PICK)
     st.subheader("Drill-down")
     r = int(st.number_input("Rank", min_value=0, max_value=ranks - 1, step=1, key=_RANK))
     rows = store.rank(r)
