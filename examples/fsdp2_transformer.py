@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from _faults import Faults
-from rankwatch import collector  # rankwatch
+from rankwatch import collector, recovery  # rankwatch
 
 
 class Attention(nn.Module):
@@ -75,12 +75,26 @@ class Transformer(nn.Module):
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def batches(args: argparse.Namespace, rank: int, device: torch.device) -> Iterator[Batch]:
-    """Synthetic next-token data, each rank its own stream from a generator of its own."""
-    g = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    while True:
-        tokens = torch.randint(args.vocab, (args.batch_size, args.seq_len + 1), generator=g).to(device)
-        yield tokens[:, :-1], tokens[:, 1:]
+class TokenStream:
+    """Synthetic next-token data, each rank its own stream from a generator of its own. Resumable like torchdata's
+    StatefulDataLoader: `state_dict` is its position and its generator's state."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, device: torch.device) -> None:
+        self.args, self.device, self.position = args, device, 0
+        self.g = torch.Generator().manual_seed(args.seed * 1000 + rank)
+
+    def __next__(self) -> Batch:
+        tokens = torch.randint(self.args.vocab, (self.args.batch_size, self.args.seq_len + 1), generator=self.g)
+        self.position += 1
+        tokens = tokens.to(self.device)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "generator": self.g.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+        self.g.set_state(state["generator"])
 
 
 def main() -> None:
@@ -98,6 +112,8 @@ def main() -> None:
     parser.add_argument("--per-rank-seed", action="store_true", help="seed each rank with seed + rank")
     parser.add_argument("--fingerprint-every", type=int, default=10,
                         help="fingerprint the state every N steps (0: never)")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
+    parser.add_argument("--resume", action="store_true", help="resume from the run's newest usable checkpoint")
     args = parser.parse_args()
 
     if torch.cuda.is_available():
@@ -118,11 +134,17 @@ def main() -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    data = batches(args, rank, device)
+    data = TokenStream(args, rank, device)
+
+    numerics = {k: v for k, v in vars(args).items() if k not in ("steps", "warmup", "save_every", "resume")}
+    ckpt = recovery.Checkpointer(rw, model, optimizer, lr_scheduler=None, grad_scaler=None, data=data,  # rankwatch
+                                 rng={"torch": "per_rank" if args.per_rank_seed else "replicated"},  # rankwatch
+                                 every=args.save_every, mesh=mesh, config=numerics)  # rankwatch
+    first = ckpt.resume() if args.resume else 0  # rankwatch
 
     started = time.perf_counter()
-    for step in range(args.steps):
-        if step == args.warmup:
+    for step in range(first, args.steps):
+        if step == first + args.warmup:
             started = time.perf_counter()
         with rw.step(step):  # rankwatch
             faults.inject(step)
@@ -133,10 +155,11 @@ def main() -> None:
             optimizer.step()
         if args.fingerprint_every and step % args.fingerprint_every == 0:  # rankwatch
             rw.maybe_fingerprint(step, model, optimizer, force=True)  # rankwatch
+        ckpt.after_step(step)  # rankwatch
         if rank == 0 and step % 20 == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
     if rank == 0:
-        timed = args.steps - min(args.warmup, args.steps)
+        timed = args.steps - first - min(args.warmup, args.steps - first)
         print(f"time per step: {(time.perf_counter() - started) / max(timed, 1) * 1e3:.3f} ms over {timed} steps",
               flush=True)
 

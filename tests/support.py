@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from datetime import timedelta
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from rankwatch.analytics.store import connect
 from rankwatch.base.rundir import CHECKPOINT_DIR
@@ -97,3 +101,16 @@ def assert_rows(table: list[str], names: tuple[str, ...]) -> None:
     errors = next(line for line in table if line.startswith("| collector internal errors"))
     assert errors.endswith("| 0 |"), errors
 
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[Any]:
+    """A world of one gloo rank in this process (its default group), destroyed after the test."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=10))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from rankwatch.base.schema import EventKind, GroupKind
 from rankwatch.base.topology import group_kind, group_name
-from rankwatch.collector.launcher_env import launch_env
+from rankwatch.base.rundir import read_launches
+from rankwatch.collector.launcher_env import launch_env, numbered
 from rankwatch.control.torchrun import split_run_dir, torchrun_argv
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,6 +32,31 @@ def test_torchrun_slurm_and_a_lone_process_are_read_from_their_variables() -> No
     me = launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_RESTART_COUNT": "1"})
     assert (me.rank, me.world_size, me.local_rank, me.attempt, me.launcher) == (5, 16, 1, 1, "slurm")
     assert launch_env({}).world_size == 1
+
+
+def test_each_launch_is_numbered_once_in_the_run_file_whoever_gets_there_first(tmp_path: Path) -> None:
+    """Every process of a launch (ranks and host agents, in any order, in parallel) gets one attempt number; the
+    same command launched again, or torchrun restarting its workers, is the next attempt."""
+    def env(run_id: str, rank: int, restarts: int = 0) -> dict[str, str]:
+        return {"RANK": str(rank), "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": run_id,
+                "TORCHELASTIC_RESTART_COUNT": str(restarts)}
+
+    got: list[int] = []
+    threads = [threading.Thread(target=lambda r=r: got.append(numbered(launch_env(env("a", r)), tmp_path).attempt))
+               for r in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert got == [0] * 8
+    assert numbered(launch_env(env("b", 3)), tmp_path).attempt == 1
+    assert numbered(launch_env(env("b", 3, restarts=1)), tmp_path).attempt == 2
+    assert numbered(launch_env(env("a", 5)), tmp_path).attempt == 0
+    assert [(r["attempt"], r["launch_key"]) for r in read_launches(tmp_path)] == [
+        (0, "torchrun:a:0"), (1, "torchrun:b:0"), (2, "torchrun:b:1")]
+    assert numbered(launch_env({**env("c", 0), "RANKWATCH_ATTEMPT": "7"}), tmp_path).attempt == 7
+    assert numbered(launch_env({"RANK": "0", "WORLD_SIZE": "2"}), tmp_path).attempt == 0  # no launch to name
+    assert len(read_launches(tmp_path)) == 3
 
 
 @pytest.mark.parametrize("env, problem", [

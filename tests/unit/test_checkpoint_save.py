@@ -6,15 +6,12 @@ from __future__ import annotations
 import re
 import shutil
 import traceback
-from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from rankwatch.base.rundir import CHECKPOINT_DIR
@@ -25,19 +22,11 @@ from rankwatch.recovery import checkpoint as ckpt_mod
 from rankwatch.recovery.catalog import Verdict, list_checkpoints
 from rankwatch.recovery.checkpoint import CheckpointConfig, DcpSaveError, SaveResult, current_versions, save_checkpoint
 
+from support import world_of_one  # noqa: F401  (the fixture)
+
 pytestmark = pytest.mark.timeout(60)
 
 LAYOUT = Layout(dp=1, tp=1, pp=1)
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[Any]:
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=10))
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _save(run_dir: Path, group: Any, sink: MemorySink, step: int) -> SaveResult:

@@ -235,10 +235,10 @@ EXPORTS = {
         "write_analysis",
     },
     "rankwatch.recovery": {
-        "Action", "Candidate", "CheckpointCatalogView", "CheckpointConfig", "CheckpointRef", "Decision",
+        "Action", "Candidate", "CheckpointCatalogView", "CheckpointConfig", "CheckpointRef", "Checkpointer", "Decision",
         "DeterminismInputs", "Domain", "EvidenceBundle", "FakeLauncher", "GateOutcome", "GateRefused", "GateResult",
         "GateVerdict", "Idempotency", "Job", "JobDeclaration", "JobLoader", "LaunchResult", "Launcher", "Lineage",
-        "LoadResult", "Manifest", "MembershipSupport", "RankState", "SaveResult", "ScopeKind", "Target", "TargetKind",
+        "LoadResult", "Manifest", "MembershipSupport", "RankState", "RngScope", "SaveResult", "ScopeKind", "Target", "TargetKind",
         "Verdict", "check_lineage", "choose", "last_completed_step", "list_checkpoints", "load_checkpoint",
         "pin_ddp_buckets", "preflight", "preserve_evidence", "run_gate", "save_checkpoint", "verify_evidence",
     },

@@ -1,7 +1,8 @@
 """The run directory: the one owner of every path under a run, the typed readers and writers of the run's own files,
 and the one atomic write every writer under a run uses.
 
-    <run>/run.json                          one record per launch of the job (`read_launches`, `append_launch`)
+    <run>/run.json                          one record per launch of the job (`read_launches`, `append_launch`,
+                                            `claim_launch`)
     <run>/telemetry/<table>/rank=<r>/       the collector's part files; host rollups under `_rollup/`
     <run>/live/                             liveness: each rank's heartbeat record, the launcher's exit records
     <run>/step_times/                       benchmark clocks a canary rank writes when asked
@@ -36,7 +37,7 @@ __all__ = [
     "INCIDENTS_JSON", "INCIDENTS_PARQUET", "LABELS_FILE", "LINEAGE_FILE", "LIVE_DIR", "MANAGER_DIR", "OUTBOX_FILE",
     "QUARANTINE_FILE", "RECOVERY_DIR", "RUN_FILE", "STATE_FILE", "STEP_TIMES_DIR", "TELEMETRY_DIR", "VIEWS_DIR",
     "DecisionRecord", "QuarantineEntry", "RecoveryRecordDoc", "RunDir", "RunFileError", "append_launch",
-    "atomic_write", "fsync_path", "handled_incidents", "private_file", "next_recovery_id", "read_launches", "read_quarantine", "read_recovery_records", "recovery_record_paths",
+    "atomic_write", "claim_launch", "fsync_path", "handled_incidents", "private_file", "next_recovery_id", "read_launches", "read_quarantine", "read_recovery_records", "recovery_record_paths",
     "write_json", "write_quarantine", "write_recovery_record",
 ]
 
@@ -268,6 +269,28 @@ def read_launches(run_dir: Path | str, *, missing_ok: bool = False) -> list[dict
         if rec.get("attempt", n) != n:
             raise RunFileError(f"{path}: launch {n} says attempt {rec['attempt']}: records edited or reordered")
     return launches
+
+
+def claim_launch(run_dir: Path | str, key: str, record: Mapping[str, Any]) -> int:
+    """The attempt number of the launch `key` names (e.g. torchrun's run id and restart count), the same in every
+    process of that launch: the launch already recorded under `key` in `<run>/run.json`, else `record` appended
+    under it. Every rank of a launch (and its host agent) calls it, on any host that shares the run directory, so
+    the appending is serialized by an exclusive lock on ``run.json.lock`` (`fcntl.flock`) and needs no collective.
+    RunFileError as `read_launches` when the run file is not one."""
+    import fcntl
+
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    lock = RunDir(run).run_file.with_name(RunDir(run).run_file.name + ".lock")
+    with open(lock, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            for rec in read_launches(run, missing_ok=True):
+                if rec.get("launch_key") == key:
+                    return int(rec["attempt"])
+            return append_launch(run, {**record, "launch_key": key})
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def append_launch(run_dir: Path | str, record: Mapping[str, Any]) -> int:

@@ -35,11 +35,8 @@ from rankwatch.recovery.checkpoint import LoadResult, current_versions, load_che
 from rankwatch.recovery.decision import GateVerdict
 from rankwatch.recovery.determinism import DeterminismInputs, determinism_of
 from rankwatch.recovery.gate import ALL_FIELDS, WORLD_FIELDS, Domain, GateOutcome, rank_state, run_gate
-from rankwatch.recovery.lineage import (
-    Details, EntryKind, Lineage, NewEntry, Verdict as Comparability, comparability_of_resume, inputs_json,
-    lineage_path,
-)
-from rankwatch.recovery.resume import GateRefused, Plan, last_completed_step, plan
+from rankwatch.recovery.lineage import Verdict as Comparability, comparability_of_resume, inputs_json
+from rankwatch.recovery.resume import GateRefused, Plan, plan, record_resume
 
 if TYPE_CHECKING:
     from rankwatch.canary.config import CanaryConfig
@@ -108,30 +105,10 @@ def _comparability(cfg: CanaryConfig, m: Manifest, determinism: tuple[str, ...] 
 
 def _record_lineage(cfg: CanaryConfig, m: Manifest) -> None:
     changes, inputs = _determinism_changes(cfg)
-    verdict = _comparability(cfg, m, changes)
-    recorded = inputs_json(inputs) if inputs is not None else None
-    resume_at = m.step + 1
-    previous = last_completed_step(cfg.run_dir, before_attempt=cfg.attempt)
-    book = Lineage(lineage_path(Path(cfg.run_dir)))
-    if previous is not None and previous >= resume_at:
-        book.append(NewEntry(kind=EntryKind.ROLLBACK, verdict=verdict, details=Details(
-            from_step=previous, to_step=resume_at, checkpoint_id=m.checkpoint_id, determinism=recorded,
-            attempt=cfg.attempt, text=f"attempt {cfg.attempt} rolls back from step {previous} to {m.checkpoint_id}")))
-        book.append(NewEntry(kind=EntryKind.REPLAYED_DATA_RANGE, verdict=verdict, details=Details(
-            from_step=resume_at, to_step=previous + 1, checkpoint_id=m.checkpoint_id, attempt=cfg.attempt,
-            text=f"attempt {cfg.attempt} trains steps {resume_at}..{previous} again")))
-    else:
-        book.append(NewEntry(kind=EntryKind.RESTART, verdict=verdict, details=Details(
-            from_step=previous, to_step=resume_at, checkpoint_id=m.checkpoint_id, determinism=recorded,
-            attempt=cfg.attempt, text=f"attempt {cfg.attempt} restarts from {m.checkpoint_id}")))
-    if m.world_size != cfg.world_size:
-        book.append(NewEntry(kind=EntryKind.WORLD_SIZE_CHANGE, verdict=verdict, details=Details(
-            old_world_size=m.world_size, new_world_size=cfg.world_size, checkpoint_id=m.checkpoint_id,
-            attempt=cfg.attempt)))
-    if m.layout != cfg.layout:
-        book.append(NewEntry(kind=EntryKind.LAYOUT_CHANGE, verdict=verdict, details=Details(
-            old_layout=str(m.layout), new_layout=str(cfg.layout), checkpoint_id=m.checkpoint_id,
-            attempt=cfg.attempt)))
+    record_resume(Path(cfg.run_dir), attempt=cfg.attempt, resume_at=m.step + 1, checkpoint_id=m.checkpoint_id,
+                  verdict=_comparability(cfg, m, changes), old_world_size=m.world_size, new_world_size=cfg.world_size,
+                  old_layout=m.layout, new_layout=cfg.layout,
+                  determinism=inputs_json(inputs) if inputs is not None else None)
 
 
 def resume(collector: Any, cfg: CanaryConfig, *, rank: int, groups: RankGroups, model: torch.nn.Module,

@@ -49,7 +49,7 @@ from rankwatch.collector.collector import Collector, CollectorConfig
 from rankwatch.collector.ddp import hook_ddp
 from rankwatch.collector.funcol import instrument_funcol
 from rankwatch.collector.instrument import instrument_distributed
-from rankwatch.collector.launcher_env import RUN_DIR_ENV, disabled, launch_env
+from rankwatch.collector.launcher_env import RUN_DIR_ENV, disabled, launch_env, numbered
 from rankwatch.collector.null import NullCollector
 
 __all__ = ["attach", "detach"]
@@ -241,7 +241,7 @@ def attach(run_dir: str | Path | None = None, *, mesh: Any = None, config: Colle
     where = run_dir if run_dir is not None else env.get(RUN_DIR_ENV)
     if not where:
         raise ValueError(f"rankwatch.attach: no run directory: pass attach(run_dir) or set {RUN_DIR_ENV}")
-    me = launch_env(env)
+    me = numbered(launch_env(env), where)
     if dist.is_initialized() and dist.get_world_size() != me.world_size:
         raise ValueError(f"rankwatch.attach: the launcher says WORLD_SIZE {me.world_size} but the default process "
                          f"group has {dist.get_world_size()} ranks")

@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rankwatch.collector.launcher_env import RUN_DIR_ENV, launch_env
+from rankwatch.collector.launcher_env import RUN_DIR_ENV, launch_env, numbered
 from rankwatch.collector.liveness import write_exit_record
 
 __all__ = ["FORWARDED", "child_command", "main"]
@@ -74,6 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"rankwatch supervise: {exc}", file=sys.stderr)
         return 2
+    try:
+        me = numbered(me, run_dir)  # the attempt its rank's collector records (`collector.attach`)
+    except (ValueError, OSError) as exc:  # the rank's own attach says it too, and fails its set-up
+        print(f"rankwatch supervise: attempt not numbered: {exc}", file=sys.stderr)
     watched = set(FORWARDED) | {signal.SIGCHLD}
     signal.pthread_sigmask(signal.SIG_BLOCK, watched)  # delivered to sigtimedwait below, never lost in between
 

@@ -1,4 +1,5 @@
-"""rankwatch.recovery: the recovery contract any job uses — the checkpoint commit protocol and its catalog (a
+"""rankwatch.recovery: the recovery contract any job uses — `Checkpointer` for a training loop's save and resume,
+the checkpoint commit protocol and its catalog (a
 half-written checkpoint is evidence, never a recovery point), the consistency gate, the tamper-evident lineage, the
 determinism inputs, evidence preservation, which checkpoint a resume takes, what a job declares about itself and how
 it is launched (`job`), and the words of a recovery decision (`decision`).
@@ -15,6 +16,7 @@ from rankwatch.base.lazy import lazy_names
 if TYPE_CHECKING:
     from rankwatch.recovery.catalog import Candidate, Manifest, Verdict, choose, list_checkpoints
     from rankwatch.recovery.checkpoint import CheckpointConfig, LoadResult, SaveResult, load_checkpoint, save_checkpoint
+    from rankwatch.recovery.checkpointer import Checkpointer, RngScope
     from rankwatch.recovery.decision import (
         Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, GateVerdict, Idempotency, MembershipSupport,
         ScopeKind, Target, TargetKind,
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "Action": "decision", "Candidate": "catalog", "CheckpointCatalogView": "decision", "CheckpointConfig":
-    "checkpoint", "CheckpointRef": "decision", "Decision": "decision", "DeterminismInputs": "determinism",
+    "checkpoint", "Checkpointer": "checkpointer", "RngScope": "checkpointer", "CheckpointRef": "decision", "Decision": "decision", "DeterminismInputs": "determinism",
     "Domain": "gate", "EvidenceBundle": "evidence", "FakeLauncher": "job", "GateOutcome": "gate", "GateRefused":
     "resume", "GateResult": "decision", "GateVerdict": "decision", "Idempotency": "decision", "Job": "job",
     "JobDeclaration": "job", "JobLoader": "job", "LaunchResult": "job", "Launcher": "job", "Lineage": "lineage",
@@ -45,7 +47,7 @@ does not load torch (the checkpoint protocol, the gate and the determinism input
 __getattr__ = lazy_names(__name__, _LAZY)
 
 __all__ = [
-    "Action", "Candidate", "CheckpointCatalogView", "CheckpointConfig", "CheckpointRef", "Decision",
+    "Action", "Candidate", "CheckpointCatalogView", "CheckpointConfig", "CheckpointRef", "Checkpointer", "RngScope", "Decision",
     "DeterminismInputs", "Domain", "EvidenceBundle", "FakeLauncher", "GateOutcome", "GateRefused", "GateResult",
     "GateVerdict", "Idempotency", "Job", "JobDeclaration", "JobLoader", "LaunchResult", "Launcher", "Lineage",
     "LoadResult", "Manifest", "MembershipSupport", "RankState", "SaveResult", "ScopeKind", "Target", "TargetKind",

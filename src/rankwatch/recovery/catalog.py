@@ -26,6 +26,10 @@ DCP_DIR = "model_optim"
 """Subdirectory of a checkpoint holding the torch.distributed.checkpoint files (model and optimizer)."""
 DCP_METADATA = f"{DCP_DIR}/.metadata"
 
+PIECE_SAVED = "saved"
+PIECE_NONE = "none"
+PIECE_MISSING = "missing:"
+
 _FINAL_RE = re.compile(r"^step-(\d{8})$")
 _TMP_RE = re.compile(r"^\.step-(\d{8})\.tmp$")
 _CHUNK = 1 << 20
@@ -57,6 +61,10 @@ class Verdict(StrEnum):
     """Finished once but damaged: unreadable manifest, a size or SHA-256 mismatch."""
     INCOMPATIBLE = "incompatible"
     """Intact, but saved by a different layout or world size than the job asking."""
+    INCOMPLETE = "incomplete"
+    """Intact, but its manifest says it lacks a piece of state the job declared (no data position, a scheduler whose
+    state could not be read): never a recovery point, since resuming from it would change the trajectory
+    invisibly."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,8 +123,25 @@ class Manifest:
     """Every file of the checkpoint except the manifest itself."""
     created_wall_ns: int
     """Wall clock when rank 0 wrote the manifest."""
+    pieces: tuple[tuple[str, str], ...] = ()
+    """The state beyond model and optimizer the job declared, each as (name, state): `PIECE_SAVED`, `PIECE_NONE` (the
+    job said it has none: no scheduler, no scaler) or ``missing: <why>`` (declared but not in this checkpoint).
+    Empty in manifests written before pieces were recorded (the canary's saves hold every piece)."""
+
+    @property
+    def missing(self) -> tuple[tuple[str, str], ...]:
+        """(piece, why) for each piece this checkpoint lacks."""
+        return tuple((name, state.removeprefix(PIECE_MISSING).strip()) for name, state in self.pieces
+                     if state.startswith(PIECE_MISSING))
 
     def __post_init__(self) -> None:
+        names = [n for n, _ in self.pieces]
+        if len(set(names)) != len(names):
+            raise ValueError("manifest lists a piece twice")
+        for name, state in self.pieces:
+            if not name or not (state in (PIECE_SAVED, PIECE_NONE) or state.startswith(PIECE_MISSING)):
+                raise ValueError(f"manifest piece {name!r}: state {state!r} is not {PIECE_SAVED!r}, {PIECE_NONE!r} "
+                                 f"or {PIECE_MISSING!r} and a reason")
         if self.checkpoint_id != checkpoint_id(self.step):
             raise ValueError(f"manifest checkpoint_id {self.checkpoint_id!r} does not match step {self.step}")
         if self.world_size != self.layout.world_size:
@@ -142,6 +167,8 @@ class Manifest:
             "created_wall_ns": self.created_wall_ns,
             "files": [{"path": f.path, "size": f.size, "sha256": f.sha256, "rank": f.rank} for f in self.files],
         }
+        if self.pieces:
+            doc["pieces"] = dict(self.pieces)
         return json.dumps(doc, indent=1)
 
     @classmethod
@@ -152,6 +179,7 @@ class Manifest:
             raise ValueError("manifest is not a JSON object")
         if doc.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"manifest format {doc.get('format')!r}, expected {MANIFEST_FORMAT}")
+        pieces = _typed(doc, "pieces", dict) if "pieces" in doc else {}
         try:
             return cls(
                 checkpoint_id=_typed(doc, "checkpoint_id", str),
@@ -166,6 +194,7 @@ class Manifest:
                     for f in _typed(doc, "files", list)
                 ),
                 created_wall_ns=_typed(doc, "created_wall_ns", int),
+                pieces=tuple((k, _typed(pieces, k, str)) for k in pieces),
             )
         except TypeError as exc:
             raise ValueError(str(exc)) from None
@@ -242,6 +271,9 @@ def _judge(path: Path, step: int, *, verify: bool, layout: Layout | None, world_
             f"layout incompatible: saved by {manifest.layout} (world {manifest.world_size}), job is {want}",
             manifest,
         )
+    if manifest.missing:
+        lacks = "; ".join(f"{name} ({why})" for name, why in manifest.missing)
+        return verdict(Verdict.INCOMPLETE, f"saved without {lacks}: not a recovery point", manifest)
     return verdict(Verdict.COMMITTED, "ok", manifest)
 
 

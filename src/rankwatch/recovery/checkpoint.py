@@ -23,6 +23,7 @@ the catalog reports as PARTIAL and never chooses.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import io
@@ -206,6 +207,8 @@ class LoadResult:
     """Grad-scaler state, where one was saved."""
     versions: Versions
     """Versions that saved it (compare with `current_versions` to warn about a changed code or config)."""
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """What the save's `rank_extra` put in this rank's file ({} where it gave none)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -360,10 +363,18 @@ def save_checkpoint(
     versions: Versions,
     lr_scheduler: Any = None,
     grad_scaler: Any = None,
+    state_key: str | None = None,
+    rank_extra: Mapping[str, Any] | None = None,
+    pieces: tuple[tuple[str, str], ...] = (),
 ) -> SaveResult:
     """Save and commit a checkpoint of `step`. Collective over `group` (the world group: every rank calls it).
 
-    Returns the same result on every rank; raises only when the group itself broke (or on a bug)."""
+    `state_key`: the DCP key model and optimizer are saved under; by default the rank's (tp, pp) shard
+    (`shard_key`: the canary's hand-sharded state), one key for every rank where the state is DTensors or replicated
+    (`recovery.checkpointer`: DCP's global plan then covers each DTensor once and writes one copy of a replicated
+    tensor). `rank_extra` goes into the rank's own file (a loader's state, the fingerprints of what was saved);
+    `pieces` into the manifest (`Manifest.pieces`). Returns the same result on every rank; raises only when the group
+    itself broke (or on a bug)."""
     ckpt = checkpoint_id(step)
     root = Path(run_dir) / CHECKPOINT_DIR
     tmp = root / f".{ckpt}.tmp"
@@ -388,11 +399,13 @@ def save_checkpoint(
 
     with collector.checkpoint_phase(step, ckpt, CheckpointPhase.SNAPSHOT) as rec:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        tensors = {shard_key(layout, rank): _clone({"model": model_sd, "optim": optim_sd})}
+        key = state_key if state_key is not None else shard_key(layout, rank)
+        tensors = {key: _clone({"model": model_sd, "optim": optim_sd})}
         rank_state = {
             "rank": rank, "step": step, "world_size": world, "data_position": int(data_position), "rng": _rng_state(),
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
             "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
+            **({"extra": dict(rank_extra)} if rank_extra is not None else {}),
         }
         rec.bytes = _nbytes(tensors)
     with collector.checkpoint_phase(step, ckpt, CheckpointPhase.SERIALIZE) as rec:
@@ -440,7 +453,7 @@ def save_checkpoint(
     partial = (0, 0)
     if rank == 0:
         outcome = _publish(collector, reports, layout=layout, versions=versions, step=step, tmp=tmp, final=final,
-                           fire=fire)
+                           fire=fire, pieces=pieces)
         if not outcome[0]:
             partial = _tree_size(tmp)  # before any rank removes its files: what the failed save left
     outcomes: list[Any] = [None] * world
@@ -483,7 +496,7 @@ def _discard(
 
 def _publish(
     collector: Any, reports: list[Any], *, layout: Layout, versions: Versions, step: int, tmp: Path, final: Path,
-    fire: Any,
+    fire: Any, pieces: tuple[tuple[str, str], ...] = (),
 ) -> tuple[bool, str]:
     """Rank 0: write the manifest and make the checkpoint visible, only if every rank reported its files."""
     ckpt = checkpoint_id(step)
@@ -498,7 +511,7 @@ def _publish(
             manifest = Manifest(
                 checkpoint_id=ckpt, step=step, world_size=layout.world_size, layout=layout, versions=versions,
                 files=tuple(sorted((f for r in reports for f in r.files), key=lambda f: f.path)),
-                created_wall_ns=time.time_ns(),
+                created_wall_ns=time.time_ns(), pieces=pieces,
             )
             data = manifest.to_json().encode()
             rec.bytes = len(data)
@@ -519,7 +532,9 @@ def _publish(
 
 def _prune(collector: Any, run_dir: Path, keep_last: int) -> tuple[str, ...]:
     """Delete committed checkpoints beyond the newest `keep_last`; partial and corrupt ones stay as evidence."""
-    committed = [c for c in list_checkpoints(run_dir, verify=False) if c.verdict is Verdict.COMMITTED]
+    # finished saves: committed ones, and incomplete ones (intact, never recovery points, pruned alike)
+    committed = [c for c in list_checkpoints(run_dir, verify=False)
+                 if c.verdict in (Verdict.COMMITTED, Verdict.INCOMPLETE)]
     pruned: list[str] = []
     for c in committed[keep_last:]:
         doomed = c.path.with_name(f".{c.path.name}.deleting")  # not a candidate name: a crash mid-delete is no "partial"
@@ -544,10 +559,12 @@ def load_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     verify: bool = True,
+    state_key: str | None = None,
 ) -> LoadResult:
     """Restore model, optimizer and this rank's RNG states from `candidate`; returns the data position and the
     rest of the per-rank state. Collective over `group`. With `verify`, the ranks split the manifest's files,
-    check their SHA-256 and agree on the result before anything is loaded (ValueError if any is damaged)."""
+    check their SHA-256 and agree on the result before anything is loaded (ValueError if any is damaged).
+    `state_key` as `save_checkpoint` was given it."""
     manifest = candidate.manifest
     if candidate.verdict is not Verdict.COMMITTED or manifest is None:
         raise ValueError(f"checkpoint {candidate.path}: {candidate.verdict} ({candidate.reason}); not loadable")
@@ -575,9 +592,10 @@ def load_checkpoint(
             raise ValueError(f"checkpoint {candidate.path}: {found[0]} (found while loading)")
     with collector.checkpoint_phase(step, ckpt, CheckpointPhase.LOAD) as rec:
         model_sd, optim_sd = get_state_dict(model, optimizer)  # a fresh optimizer gets zero state to load into
-        tensors: dict[str, dict[str, Any]] = {shard_key(layout, rank): {"model": model_sd, "optim": optim_sd}}
+        key = state_key if state_key is not None else shard_key(layout, rank)
+        tensors: dict[str, dict[str, Any]] = {key: {"model": model_sd, "optim": optim_sd}}
         dcp.load(tensors, storage_reader=dcp.FileSystemReader(candidate.path / DCP_DIR), process_group=group)
-        loaded = tensors[shard_key(layout, rank)]
+        loaded = tensors[key]
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         state = torch.load(candidate.path / rank_shard_name(rank), weights_only=True)
         if state["rank"] != rank or state["step"] != step or state["world_size"] != world:
@@ -586,5 +604,6 @@ def load_checkpoint(
         set_rng_state(state["rng"])
         rec.bytes = _nbytes(tensors)
     return LoadResult(checkpoint_id=ckpt, step=step, data_position=int(state["data_position"]),
-                      lr_scheduler=state["lr_scheduler"], grad_scaler=state["grad_scaler"], versions=manifest.versions)
+                      lr_scheduler=state["lr_scheduler"], grad_scaler=state["grad_scaler"], versions=manifest.versions,
+                      extra=state.get("extra") or {})
 

@@ -3,6 +3,8 @@
     plan(run, layout=..., checkpoint_id=None)   the newest committed, SHA-256-verified checkpoint this layout can
                                                 load (or the one asked for), and every newer candidate passed over
     last_completed_step(run, before_attempt=n)  the highest step an earlier attempt completed (the replay range)
+    record_resume(run, ...)                     the lineage of a resume: RESTART, or ROLLBACK + REPLAYED_DATA_RANGE,
+                                                and the world-size / layout change
     preflight(run)                              what a resume checks before anything is launched
 
 A job's own resume (the canary's: `canary.resume`) loads the chosen checkpoint on every rank, passes the consistency
@@ -26,11 +28,13 @@ from rankwatch.base.schema import Steps, Table
 from rankwatch.base.topology import Layout
 from rankwatch.collector.sink import partition_dir
 from rankwatch.recovery.catalog import Candidate, Verdict, list_checkpoints
-from rankwatch.recovery.lineage import check_lineage, lineage_path
+from rankwatch.recovery.lineage import (
+    Details, EntryKind, Lineage, NewEntry, Verdict as Comparability, check_lineage, lineage_path,
+)
 
 log = logging.getLogger("rankwatch.recovery")
 
-__all__ = ["GateRefused", "Plan", "last_completed_step", "loadable", "plan", "preflight"]
+__all__ = ["GateRefused", "Plan", "last_completed_step", "loadable", "plan", "preflight", "record_resume"]
 
 
 class GateRefused(RuntimeError):
@@ -130,3 +134,37 @@ def preflight(run_dir: Path) -> None:
         raise ValueError(f"{RunDir(run).checkpoints}: no checkpoints folder — nothing to resume from")
 
 
+
+
+FROM_INITIALIZATION = "initialization"
+"""The `checkpoint_id` a lineage entry names when an attempt starts again from the job's initial state (no
+checkpoint was ever committed)."""
+
+
+def record_resume(run_dir: Path, *, attempt: int, resume_at: int, checkpoint_id: str, verdict: Comparability,
+                  old_world_size: int, new_world_size: int, old_layout: Layout, new_layout: Layout,
+                  determinism: str | None = None) -> None:
+    """Append a resume's lineage (rank 0, after the gate agreed): ROLLBACK plus REPLAYED_DATA_RANGE when an earlier
+    attempt had completed steps at or past `resume_at` (they are trained again), else RESTART; then
+    WORLD_SIZE_CHANGE and LAYOUT_CHANGE where those changed. `checkpoint_id` is the checkpoint loaded, or
+    `FROM_INITIALIZATION`."""
+    previous = last_completed_step(run_dir, before_attempt=attempt)
+    book = Lineage(lineage_path(Path(run_dir)))
+    if previous is not None and previous >= resume_at:
+        book.append(NewEntry(kind=EntryKind.ROLLBACK, verdict=verdict, details=Details(
+            from_step=previous, to_step=resume_at, checkpoint_id=checkpoint_id, determinism=determinism,
+            attempt=attempt, text=f"attempt {attempt} rolls back from step {previous} to {checkpoint_id}")))
+        book.append(NewEntry(kind=EntryKind.REPLAYED_DATA_RANGE, verdict=verdict, details=Details(
+            from_step=resume_at, to_step=previous + 1, checkpoint_id=checkpoint_id, attempt=attempt,
+            text=f"attempt {attempt} trains steps {resume_at}..{previous} again")))
+    else:
+        book.append(NewEntry(kind=EntryKind.RESTART, verdict=verdict, details=Details(
+            from_step=previous, to_step=resume_at, checkpoint_id=checkpoint_id, determinism=determinism,
+            attempt=attempt, text=f"attempt {attempt} restarts from {checkpoint_id}")))
+    if old_world_size != new_world_size:
+        book.append(NewEntry(kind=EntryKind.WORLD_SIZE_CHANGE, verdict=verdict, details=Details(
+            old_world_size=old_world_size, new_world_size=new_world_size, checkpoint_id=checkpoint_id,
+            attempt=attempt)))
+    if old_layout != new_layout:
+        book.append(NewEntry(kind=EntryKind.LAYOUT_CHANGE, verdict=verdict, details=Details(
+            old_layout=str(old_layout), new_layout=str(new_layout), checkpoint_id=checkpoint_id, attempt=attempt)))

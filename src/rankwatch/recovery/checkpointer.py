@@ -1,0 +1,396 @@
+"""The recovery contract in a user's own training loop: save at a step, resume behind the consistency gate.
+
+    from rankwatch import collector, recovery
+    rw = collector.attach(mesh=mesh)
+    ckpt = recovery.Checkpointer(rw, model, optimizer, lr_scheduler=None, grad_scaler=None, data=loader,
+                                 rng={"torch": "replicated"}, every=50)
+    for step in range(ckpt.resume(), steps):       # 0 on a fresh run; else the step after the checkpoint loaded
+        with rw.step(step):
+            ...
+        ckpt.after_step(step)                      # saves after every `every`-th step
+
+**Saving** (`save`, collective over the world group) goes through the commit protocol of `recovery.checkpoint`:
+model and optimizer through torch DCP under one key for every rank (`STATE_KEY`), so DCP's global plan covers each
+DTensor shard once — FSDP2's `fully_shard` parameters, tensor-parallel weights, their optimizer state — and writes one
+copy of a tensor every rank holds whole (DDP); per-shard SHA-256; one manifest, published only after every rank
+reported its files. Each rank's own file holds its RNG states, its data position (`data.state_dict()`), the scheduler
+and scaler states, and the fingerprints of what it saved (`collector.fingerprint`: local shards, XXH3).
+
+**What a job saves beyond model and optimizer is asked for explicitly**: `lr_scheduler`, `grad_scaler`, `data` and
+`rng` have no defaults. `None` for a scheduler or scaler says the job has none. `data=None` says the job gives no
+data position: every save then says in its manifest that it lacks one (`Manifest.pieces`), and the catalog never
+offers it as a recovery point (`catalog.Verdict.INCOMPLETE`): resuming would restart the data stream where it began
+and change the trajectory invisibly. A data object whose `state_dict()` fails at a save makes that save lack it
+the same way.
+
+**Resuming** (`resume`, collective): rank 0 chooses the newest committed, SHA-256-verified checkpoint this layout can
+load (`recovery.resume.plan`; incomplete, partial, corrupt and incompatible candidates are passed over with their
+reasons) and every rank loads it; then the consistency gate (`recovery.gate`) must AGREE before the first step:
+
+- every rank restored exactly what it saved: its parameters, optimizer state, RNG states and data position hash as
+  they did when saved (this is what proves a sharded or per-rank-seeded state, which no peer holds a copy of);
+- every rank is at the same step;
+- ranks that must hold equal parameters and optimizer state (`collector.fingerprint.consistency_domain`: every rank
+  under DDP, replicas of a shard under HSDP; nobody else under FSDP2 or FSDP + TP) hold equal hashes;
+- the RNG streams the job declares replicated (``rng={"torch": "replicated"}``: every rank seeded torch alike) are
+  equal on every rank; a stream declared ``per_rank`` (seeded by rank on purpose), or not named (Python's and
+  numpy's, which most scripts never seed), is not compared across ranks — its restore is still checked.
+
+Anything else raises `GateRefused` on every rank alike, and training does not start. After the gate, rank 0 appends
+the lineage (`recovery.resume.record_resume`: RESTART, or ROLLBACK and the range of steps trained twice, world-size
+and layout changes). A run with no checkpoint starts at step 0 (a rollback to initialization in the lineage when an
+earlier attempt had trained steps); a run whose checkpoints are all unusable raises ValueError naming each.
+
+A DDP model's gradient buckets are fixed when the Checkpointer is built (before the first forward): DDP otherwise
+lays them out anew after each process's first backward, and the first step after a resume would sum its gradients in
+another layout than the uninterrupted run did (`recovery.determinism`).
+
+Attempts are numbered by the launch (`collector.launcher_env.numbered`), so the same command relaunched resumes as
+the next attempt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+import rankwatch
+from rankwatch.base.schema import EventKind, GroupKind
+from rankwatch.base.topology import Layout, group_kind
+from rankwatch.collector.fingerprint import consistency_domain, hash_optimizer, hash_tensors, rng_hashes
+from rankwatch.collector.launcher_env import RUN_DIR_ENV
+from rankwatch.recovery.catalog import PIECE_MISSING, PIECE_NONE, PIECE_SAVED, Versions, list_checkpoints
+from rankwatch.recovery.checkpoint import CheckpointConfig, SaveResult, load_checkpoint, save_checkpoint
+from rankwatch.recovery.decision import GateVerdict
+from rankwatch.recovery.determinism import pin_ddp_buckets
+from rankwatch.recovery.gate import Domain, Field, GateOutcome, RankState, run_gate
+from rankwatch.recovery.lineage import comparability_of_resume
+from rankwatch.recovery.resume import FROM_INITIALIZATION, GateRefused, last_completed_step, plan, record_resume
+
+__all__ = ["STATE_KEY", "Checkpointer", "RngScope", "Stateful", "job_layout", "job_versions"]
+
+STATE_KEY = "state"
+"""The DCP key of model and optimizer, the same on every rank."""
+
+_RNG_STREAMS = {"python": Field.RNG_PYTHON, "numpy": Field.RNG_NUMPY, "torch": Field.RNG_TORCH, "cuda": Field.RNG_CUDA}
+"""The RNG streams a job declares, by name: Python's `random`, numpy's global generator, torch's CPU generator,
+torch's CUDA generators (`torch.manual_seed` seeds the last two)."""
+
+
+class RngScope(StrEnum):
+    """How a job seeds one of its random number generators."""
+
+    REPLICATED = "replicated"
+    """Every rank seeds and draws alike: the gate compares the stream across all ranks."""
+    PER_RANK = "per_rank"
+    """Each rank seeds its own (seed + rank, as many scripts do), or nobody seeds it: each rank's restored state is
+    checked against what it saved, never against a peer's."""
+
+
+def rng_fields(rng: RngScope | str | Mapping[str, RngScope | str]) -> tuple[Field, ...]:
+    """The gate fields of the streams declared replicated: one scope for every stream, or a scope per stream name
+    (python, numpy, torch, cuda; a stream not named is per rank). ValueError naming an unknown stream or scope."""
+    if isinstance(rng, Mapping):
+        unknown = sorted(set(rng) - set(_RNG_STREAMS))
+        if unknown:
+            raise ValueError(f"rankwatch.recovery.Checkpointer: rng names unknown stream(s) {unknown}; "
+                             f"streams are {', '.join(_RNG_STREAMS)}")
+        scopes = {name: _scope(value) for name, value in rng.items()}
+    else:
+        scopes = dict.fromkeys(_RNG_STREAMS, _scope(rng))
+    return tuple(f for name, f in _RNG_STREAMS.items() if scopes.get(name) is RngScope.REPLICATED)
+
+
+def _scope(value: RngScope | str) -> RngScope:
+    try:
+        return RngScope(value)
+    except ValueError:
+        raise ValueError(f"rankwatch.recovery.Checkpointer: rng scope {value!r} is not "
+                         f"{' or '.join(repr(str(s)) for s in RngScope)}") from None
+
+
+class Stateful(Protocol):
+    """What `data` must offer (torch DCP's `Stateful`, torchdata's `StatefulDataLoader`)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def job_layout(mesh: Any, world_size: int) -> Layout:
+    """The job's (dp, tp, pp) from a DeviceMesh's dimension names (`base.topology.group_kind`: dp / fsdp / shard /
+    replicate are data parallel, tp tensor, pp pipeline; a dimension of another kind counts as data parallel); all
+    data parallel without a mesh. ValueError when the mesh does not span the world."""
+    if mesh is None:
+        return Layout(dp=world_size)
+    sizes = {GroupKind.DP: 1, GroupKind.TP: 1, GroupKind.PP: 1}
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    for i, name in enumerate(names):
+        kind = group_kind(str(name))
+        sizes[kind if kind in sizes else GroupKind.DP] *= int(mesh.size(i))
+    layout = Layout(dp=sizes[GroupKind.DP], tp=sizes[GroupKind.TP], pp=sizes[GroupKind.PP])
+    if layout.world_size != world_size:
+        raise ValueError(f"rankwatch.recovery.Checkpointer: the mesh {dict(zip(names, mesh.shape))} holds "
+                         f"{layout.world_size} ranks, the world {world_size}")
+    return layout
+
+
+def job_versions(config: Mapping[str, Any] | None, *, seed: int = 0) -> Versions:
+    """The versions a checkpoint records: rankwatch, torch, Python, numpy, and a SHA-256 of the job's config (its
+    JSON with sorted keys; values that are not JSON by their text)."""
+    import platform
+
+    import numpy as np
+
+    text = json.dumps(dict(config or {}), sort_keys=True, default=str)
+    return Versions(rankwatch=rankwatch.__version__, torch=str(torch.__version__), python=platform.python_version(),
+                    numpy=np.__version__, config_sha256=hashlib.sha256(text.encode()).hexdigest(), seed=int(seed))
+
+
+def _hash_data(state: Any) -> str:
+    """A data position's state, hashed: tensors by their bytes, the rest by its text (`collector.fingerprint`)."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    rest: list[str] = []
+
+    def walk(prefix: str, v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            tensors.append((prefix, v))
+        elif isinstance(v, Mapping):
+            for k in sorted(v, key=str):
+                walk(f"{prefix}.{k}", v[k])
+        elif isinstance(v, (list, tuple)):
+            for i, item in enumerate(v):
+                walk(f"{prefix}[{i}]", item)
+        else:
+            rest.append(f"{prefix}={v!r}")
+
+    walk("", state)
+    digest, _ = hash_tensors(tensors)
+    return hashlib.sha256((digest + "\n".join(rest)).encode()).hexdigest()[:16]
+
+
+class Checkpointer:
+    """Save and resume a user's training loop under the recovery contract (module docstring). One per job, built on
+    every rank with the same arguments after the model is sharded and the optimizer built."""
+
+    def __init__(self, collector: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 lr_scheduler: Any, grad_scaler: Any, data: Stateful | None,
+                 rng: RngScope | str | Mapping[str, RngScope | str], every: int,
+                 keep_last: int = 3, mesh: Any = None, config: Mapping[str, Any] | None = None, seed: int = 0,
+                 run_dir: str | Path | None = None, group: Any = None) -> None:
+        """`collector`: the attached collector (its rank, world size, attempt and run directory; a `NullCollector`
+        works with `run_dir`). `every`: save after each `every`-th step (`after_step`); 0 saves only when `save` is
+        called. `mesh`: the DeviceMesh the layout is read from. `config`: the job's settings that change its numerics
+        (hashed into the manifest: a resume under another config is marked CHANGED in the lineage). `group`: the
+        world group (default: torch's default group)."""
+        self._collector = collector
+        self._model = model
+        self._optimizer = optimizer
+        self._scheduler = lr_scheduler
+        self._scaler = grad_scaler
+        self._data = data
+        self._rng_fields = rng_fields(rng)
+        self._rng_text = json.dumps(dict(rng) if isinstance(rng, Mapping) else str(rng), default=str)
+        if every < 0:
+            raise ValueError(f"rankwatch.recovery.Checkpointer: every must be >= 0, got {every}")
+        self._every = every
+        self._config = CheckpointConfig(keep_last=keep_last)
+        self.rank = int(getattr(collector, "rank", dist.get_rank() if dist.is_initialized() else 0))
+        self.world_size = int(getattr(collector, "world_size", dist.get_world_size() if dist.is_initialized() else 1))
+        self.attempt = int(getattr(collector, "attempt", 0))
+        where = run_dir if run_dir is not None else getattr(getattr(collector, "config", None), "run_dir", None)
+        where = where if where is not None else os.environ.get(RUN_DIR_ENV)
+        if not where:
+            raise ValueError(f"rankwatch.recovery.Checkpointer: no run directory (pass run_dir, attach a collector, or "
+                             f"set {RUN_DIR_ENV})")
+        self.run_dir = Path(where)
+        self.layout = job_layout(mesh, self.world_size)
+        self._versions = job_versions(config, seed=seed)
+        self._group = group
+        self.last_save: SaveResult | None = None
+        self.buckets_pinned = self._pin_buckets(model)
+
+    def _pin_buckets(self, model: torch.nn.Module) -> bool | None:
+        """A DDP model's gradient buckets built now, in parameter order (`determinism.pin_ddp_buckets`): DDP otherwise
+        rebuilds them after each process's first backward, so the first step after a resume would sum its
+        gradients in another layout than the uninterrupted run and leave its trajectory in the last bits. None for
+        a model that is not DDP; False, with a warning event, when its first forward already ran."""
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return None
+        try:
+            pin_ddp_buckets(model)
+            return True
+        except RuntimeError as exc:
+            self._collector.warning(f"rankwatch.recovery.Checkpointer: DDP buckets not pinned ({exc}); build the "
+                                    "Checkpointer before the first forward, or a resumed run is not bitwise equal to "
+                                    "an uninterrupted one")
+            return False
+
+    # -- save ------------------------------------------------------------------------------------------------
+    def after_step(self, step: int) -> SaveResult | None:
+        """Save when `step` completes an `every`-step interval; None otherwise."""
+        if self._every and (step + 1) % self._every == 0:
+            return self.save(step)
+        return None
+
+    def _pieces_and_data(self) -> tuple[tuple[tuple[str, str], ...], Any]:
+        data_state: Any = None
+        if self._data is None:
+            data_piece = f"{PIECE_MISSING} the job gave no data position (Checkpointer data=None)"
+        else:
+            try:
+                data_state = self._data.state_dict()
+                data_piece = PIECE_SAVED
+            except Exception as exc:  # the save goes on; the manifest says what it lacks
+                data_piece = f"{PIECE_MISSING} data.state_dict() failed: {type(exc).__name__}: {str(exc)[:120]}"
+        pieces = (
+            ("lr_scheduler", PIECE_SAVED if self._scheduler is not None else PIECE_NONE),
+            ("grad_scaler", PIECE_SAVED if self._scaler is not None else PIECE_NONE),
+            ("rng", PIECE_SAVED),
+            ("data_position", data_piece),
+        )
+        return pieces, data_state
+
+    def _hashes(self, data_state: Any) -> dict[str, str | None]:
+        param, _ = hash_tensors(self._model.named_parameters())
+        py, npy, cpu, cuda = rng_hashes()
+        return {"param": param, "optim": hash_optimizer(self._optimizer), "rng_python": py, "rng_numpy": npy,
+                "rng_torch": cpu, "rng_cuda": cuda, "data": _hash_data(data_state) if data_state is not None else None}
+
+    def save(self, step: int) -> SaveResult:
+        """Save and commit a checkpoint of the state after `step` (collective: every rank calls it). A failed save
+        (a full disk) commits nothing and training goes on; the result says why (`SaveResult.reason`)."""
+        pieces, data_state = self._pieces_and_data()
+        extra = {"data": data_state, "saved": self._hashes(data_state), "rng_scope": self._rng_text}
+        result = save_checkpoint(
+            self._collector, self._config, run_dir=self.run_dir, step=step, rank=self.rank, layout=self.layout,
+            group=self._group, model=self._model, optimizer=self._optimizer, data_position=-1,  # in `data`
+            versions=self._versions, lr_scheduler=self._scheduler, grad_scaler=self._scaler, state_key=STATE_KEY,
+            rank_extra=extra, pieces=pieces)
+        self.last_save = result
+        return result
+
+    # -- resume ----------------------------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Collective: load the newest usable checkpoint behind the consistency gate and record the lineage; returns
+        the step to train next (0 when the run has no checkpoint). Raises ValueError when checkpoints exist but none
+        is usable (each named with its reason), `GateRefused` when the gate does not agree."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            box[0] = self._choose()
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        choice = box[0]
+        if isinstance(choice, str):
+            raise ValueError(choice)
+        if choice is None:
+            return self._fresh()
+        chosen = choice.chosen
+        m = chosen.manifest
+        if self.rank == 0:
+            print(f"rankwatch: {choice.describe()}", flush=True)
+            self._collector.event(EventKind.RECOVERY, message=choice.describe()[:1000])
+        loaded = load_checkpoint(self._collector, chosen, rank=self.rank, layout=self.layout, group=self._group,
+                                 model=self._model, optimizer=self._optimizer, state_key=STATE_KEY)
+        extra = dict(loaded.extra)
+        problems: list[str] = []
+        if self._scheduler is not None:
+            if loaded.lr_scheduler is None:
+                problems.append("the checkpoint holds no lr_scheduler state")
+            else:
+                self._scheduler.load_state_dict(loaded.lr_scheduler)
+        if self._scaler is not None:
+            if loaded.grad_scaler is None:
+                problems.append("the checkpoint holds no grad_scaler state")
+            else:
+                self._scaler.load_state_dict(loaded.grad_scaler)
+        if self._data is not None:
+            if extra.get("data") is None:
+                problems.append("the checkpoint holds no data position")
+            else:
+                self._data.load_state_dict(extra["data"])
+        saved = extra.get("saved") or {}
+        try:  # the loader's state as it now reports it: what it restored, not what it was given
+            restored = self._data.state_dict() if self._data is not None and extra.get("data") is not None else None
+        except Exception as exc:
+            restored = None
+            problems.append(f"data.state_dict() failed after loading: {type(exc).__name__}: {str(exc)[:120]}")
+        now = self._hashes(restored)
+        for name in ("param", "optim", "rng_python", "rng_numpy", "rng_torch", "rng_cuda", "data"):
+            if name in saved and saved[name] != now[name]:
+                problems.append(f"{name} after loading differs from what rank {self.rank} saved")
+        if not saved:
+            problems.append("the checkpoint holds no fingerprints of what was saved")
+        self._gate(step=loaded.step, problems=problems, now=now)
+        if self.rank == 0:
+            same_code = (m.versions.rankwatch, m.versions.torch, m.versions.python, m.versions.numpy) == (
+                self._versions.rankwatch, self._versions.torch, self._versions.python, self._versions.numpy)
+            verdict = comparability_of_resume(m.layout, self.layout, m.world_size, self.world_size,
+                                              same_code=same_code,
+                                              same_config=m.versions.config_sha256 == self._versions.config_sha256)
+            record_resume(self.run_dir, attempt=self.attempt, resume_at=m.step + 1, checkpoint_id=m.checkpoint_id,
+                          verdict=verdict, old_world_size=m.world_size, new_world_size=self.world_size,
+                          old_layout=m.layout, new_layout=self.layout)
+        return loaded.step + 1
+
+    def _choose(self) -> Any:
+        """Rank 0: the plan, None when the run has no checkpoint candidates at all, or the one-line refusal."""
+        if not list_checkpoints(self.run_dir, verify=False):
+            return None
+        try:
+            return plan(self.run_dir, layout=self.layout)
+        except ValueError as exc:
+            return str(exc)
+
+    def _fresh(self) -> int:
+        """No checkpoint: step 0. When an earlier attempt had trained steps, they are trained again from the job's
+        initial state, and the lineage says so."""
+        if self.rank == 0:
+            previous = last_completed_step(self.run_dir, before_attempt=self.attempt)
+            if previous is not None:
+                verdict = comparability_of_resume(self.layout, self.layout, self.world_size, self.world_size,
+                                                  same_code=True, same_config=True)
+                record_resume(self.run_dir, attempt=self.attempt, resume_at=0, checkpoint_id=FROM_INITIALIZATION,
+                              verdict=verdict, old_world_size=self.world_size, new_world_size=self.world_size,
+                              old_layout=self.layout, new_layout=self.layout)
+                self._collector.event(EventKind.RECOVERY, message=(
+                    f"no checkpoint committed: attempt {self.attempt} trains from step 0 again (an earlier attempt "
+                    f"reached step {previous})"))
+        return 0
+
+    def _gate(self, *, step: int, problems: Sequence[str], now: Mapping[str, str | None]) -> tuple[GateOutcome, ...]:
+        """The gate over every rank: each rank's own restore check, then the domains (module docstring)."""
+        name, members = consistency_domain(self._model, self.rank, self.world_size)
+        mine = (tuple(problems), name, tuple(members))
+        reports: list[Any] = [None] * self.world_size
+        dist.all_gather_object(reports, mine, group=self._group)
+        bad = [(r, p) for r, rep in enumerate(reports) for p in rep[0]]
+        if bad:
+            text = "; ".join(f"rank {r}: {p}" for r, p in bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else "")
+            self._collector.event(EventKind.RECOVERY, message=f"consistency gate: restore check failed: {text}"[:1000])
+            raise GateRefused(f"refusing to train: restore check failed: {text}"[:500])
+        world_fields = (Field.STEP,) + self._rng_fields
+        domains = [Domain(name="world", ranks=tuple(range(self.world_size)), fields=world_fields)]
+        seen: set[tuple[int, ...]] = set()
+        for _, dname, dranks in reports:
+            if len(dranks) > 1 and tuple(dranks) not in seen:
+                seen.add(tuple(dranks))
+                domains.append(Domain(name=dname, ranks=tuple(dranks), fields=(Field.PARAM, Field.OPTIM)))
+        state = RankState(rank=self.rank, step=step, data_position=-1, param=str(now["param"]),
+                          optim=str(now["optim"]), rng_python=str(now["rng_python"]),
+                          rng_numpy=str(now["rng_numpy"]), rng_torch=str(now["rng_torch"]), rng_cuda=now["rng_cuda"])
+        outcomes = run_gate(state, domains=domains, group=self._group, world_size=self.world_size)
+        for o in outcomes:
+            if self.rank == min(o.ranks):
+                self._collector.event(EventKind.RECOVERY, message=o.message()[:1000])
+        refused = [o for o in outcomes if o.verdict is not GateVerdict.AGREE]
+        if refused:
+            raise GateRefused(f"refusing to train: {refused[0].message()}"[:500])
+        return outcomes

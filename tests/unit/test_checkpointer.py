@@ -1,0 +1,188 @@
+"""`recovery.Checkpointer` in one process (a world of one gloo rank): what a save records, what a resume restores and
+checks, and the checkpoints it refuses (a save without a data position is never a recovery point). The multi-rank,
+killed-from-outside behaviour is tests/integration/test_resume_examples.py."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from rankwatch.base.schema import GroupKind
+from rankwatch.base.topology import Layout
+from rankwatch.collector import Collector, CollectorConfig, MemorySink
+from rankwatch.recovery.catalog import MANIFEST, Manifest, Verdict, list_checkpoints
+from rankwatch.recovery.checkpointer import Checkpointer, job_layout, rng_fields
+from rankwatch.recovery.gate import Field
+from rankwatch.recovery.lineage import lineage_path
+from rankwatch.recovery.resume import GateRefused
+
+from support import world_of_one  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Stream:
+    """A loader position as a user's job keeps one."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.g = torch.Generator().manual_seed(7)
+
+    def __next__(self) -> torch.Tensor:
+        self.position += 1
+        return torch.randn(4, 8, generator=self.g)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "generator": self.g.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+        self.g.set_state(state["generator"])
+
+
+class Job:
+    """A tiny training job with a scheduler, dropout and a data stream."""
+
+    def __init__(self, run_dir: Path, *, data: bool = True, attempt: int = 0, every: int = 3) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2, gamma=0.5)
+        self.data = Stream()
+        self.collector = Collector(CollectorConfig(run_dir=run_dir, handle_sigterm=False), rank=0, world_size=1,
+                                   attempt=attempt, sink=MemorySink())
+        self.ckpt = Checkpointer(self.collector, self.model, self.optimizer, lr_scheduler=self.scheduler,
+                                 grad_scaler=None, data=self.data if data else None, rng="replicated", every=every,
+                                 config={"lr": 0.01})
+
+    def train(self, first: int, last: int) -> None:
+        for step in range(first, last):
+            loss = self.model(next(self.data)).pow(2).mean()
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.ckpt.after_step(step)
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+def test_resume_continues_bitwise_and_records_the_lineage(tmp_path: Path, world_of_one: Any) -> None:
+    straight = Job(tmp_path / "straight")
+    straight.train(0, 10)
+
+    first = Job(tmp_path / "run")
+    first.train(0, 7)  # saves after steps 2 and 5; steps 6 trained, then the process "dies"
+    manifest = list_checkpoints(tmp_path / "run", verify=True)[0].manifest
+    assert manifest is not None and manifest.step == 5
+    assert dict(manifest.pieces) == {"lr_scheduler": "saved", "grad_scaler": "none", "rng": "saved",
+                                     "data_position": "saved"}
+
+    random.random()  # a fresh process's RNG states are not the saved ones
+    torch.rand(3)
+    again = Job(tmp_path / "run", attempt=1)
+    start = again.ckpt.resume()
+    assert start == 6
+    assert again.data.position == first.data.position - 1  # step 6's batch is drawn again
+    assert again.scheduler.last_epoch == 6
+    again.train(start, 10)
+    assert all(torch.equal(a, b) for a, b in zip(again.params(), straight.params()))
+
+
+def test_a_fresh_run_starts_at_step_zero(tmp_path: Path, world_of_one: Any) -> None:
+    assert Job(tmp_path / "run").ckpt.resume() == 0
+    assert not lineage_path(tmp_path / "run").exists()
+
+
+def test_a_save_without_a_data_position_is_never_a_recovery_point(tmp_path: Path, world_of_one: Any) -> None:
+    job = Job(tmp_path / "run", data=False)
+    job.train(0, 4)
+    [candidate] = list_checkpoints(tmp_path / "run", verify=True)
+    assert candidate.verdict is Verdict.INCOMPLETE
+    assert candidate.reason == ("saved without data_position (the job gave no data position (Checkpointer "
+                                "data=None)): not a recovery point")
+    with pytest.raises(ValueError, match=r"^.*step-00000002: incomplete \(saved without data_position"):
+        Job(tmp_path / "run", data=False, attempt=1).ckpt.resume()
+
+
+def test_a_data_position_that_cannot_be_read_makes_the_save_incomplete(tmp_path: Path, world_of_one: Any) -> None:
+    job = Job(tmp_path / "run")
+
+    def broken() -> dict[str, Any]:
+        raise OSError("loader state unavailable")
+
+    job.data.state_dict = broken  # type: ignore[method-assign]
+    job.train(0, 3)
+    [candidate] = list_checkpoints(tmp_path / "run", verify=True)
+    assert candidate.verdict is Verdict.INCOMPLETE
+    assert "data.state_dict() failed: OSError: loader state unavailable" in candidate.reason
+
+
+def test_the_newest_incomplete_save_is_passed_over_for_an_older_complete_one(tmp_path: Path,
+                                                                             world_of_one: Any) -> None:
+    job = Job(tmp_path / "run")
+    job.train(0, 3)  # step 2: complete
+    job.ckpt._data = None  # the job stops giving its data position
+    job.train(3, 6)  # step 5: incomplete
+    again = Job(tmp_path / "run", attempt=1)
+    assert again.ckpt.resume() == 3
+
+
+def test_a_restore_that_differs_from_what_was_saved_is_refused(tmp_path: Path, world_of_one: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    Job(tmp_path / "run").train(0, 3)
+    again = Job(tmp_path / "run", attempt=1)
+    real = again.data.load_state_dict
+
+    def skips_one(state: dict[str, Any]) -> None:  # a loader that restores one batch further on
+        real(state)
+        next(again.data)
+
+    monkeypatch.setattr(again.data, "load_state_dict", skips_one)
+    with pytest.raises(GateRefused, match="restore check failed: rank 0: data after loading differs"):
+        again.ckpt.resume()
+
+
+def test_a_manifest_missing_piece_round_trips_and_bad_states_are_refused(tmp_path: Path, world_of_one: Any) -> None:
+    Job(tmp_path / "run").train(0, 3)
+    path = tmp_path / "run" / "checkpoints" / "step-00000002" / MANIFEST
+    m = Manifest.from_json(path.read_text())
+    assert Manifest.from_json(m.to_json()) == m
+    doc = json.loads(path.read_text())
+    doc["pieces"]["data_position"] = "lost"
+    with pytest.raises(ValueError, match="manifest piece 'data_position': state 'lost' is not"):
+        Manifest.from_json(json.dumps(doc))
+    doc["pieces"] = ["data_position"]
+    with pytest.raises(ValueError, match="field 'pieces' is list, expected dict"):
+        Manifest.from_json(json.dumps(doc))
+
+
+def test_rng_declarations() -> None:
+    assert rng_fields("replicated") == (Field.RNG_PYTHON, Field.RNG_NUMPY, Field.RNG_TORCH, Field.RNG_CUDA)
+    assert rng_fields("per_rank") == ()
+    assert rng_fields({"torch": "replicated", "python": "per_rank"}) == (Field.RNG_TORCH,)
+    with pytest.raises(ValueError, match=r"rng names unknown stream\(s\) \['jax'\]"):
+        rng_fields({"jax": "replicated"})
+    with pytest.raises(ValueError, match="rng scope 'same' is not 'replicated' or 'per_rank'"):
+        rng_fields("same")
+
+
+def test_job_layout_from_mesh_dimension_names() -> None:
+    def mesh(names: tuple[str, ...] | None, shape: tuple[int, ...]) -> Any:
+        return SimpleNamespace(mesh_dim_names=names, ndim=len(shape), shape=shape, size=lambda i: shape[i])
+
+    assert job_layout(None, 8) == Layout(dp=8)
+    assert job_layout(mesh(("dp", "tp"), (2, 4)), 8) == Layout(dp=2, tp=4)
+    assert job_layout(mesh(("replicate", "shard", "tp"), (2, 2, 2)), 8) == Layout(dp=4, tp=2)
+    assert job_layout(mesh(("pp", "dp_shard"), (2, 4)), 8) == Layout(dp=4, pp=2)
+    assert job_layout(mesh(None, (4,)), 4) == Layout(dp=4)
+    with pytest.raises(ValueError, match="holds 4 ranks, the world 8"):
+        job_layout(mesh(("dp", "tp"), (2, 2)), 8)
+    assert GroupKind.DP  # the kinds the layout is read by
