@@ -186,3 +186,21 @@ def test_job_layout_from_mesh_dimension_names() -> None:
     with pytest.raises(ValueError, match="holds 4 ranks, the world 8"):
         job_layout(mesh(("dp", "tp"), (2, 2)), 8)
     assert GroupKind.DP  # the kinds the layout is read by
+
+
+def test_without_a_collector_the_attempt_is_the_launch_number(tmp_path: Path, world_of_one: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """RANKWATCH_DISABLE=1 gives a NullCollector (no attempt of its own): the launch's number in run.json is used."""
+    from rankwatch.collector.null import NullCollector
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters())
+
+    def attempt(run_id: str) -> int:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        return Checkpointer(NullCollector(), model, optimizer, lr_scheduler=None, grad_scaler=None, data=None,
+                            rng="per_rank", every=0, run_dir=tmp_path).attempt
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert [attempt("first"), attempt("second"), attempt("first")] == [0, 1, 0]

@@ -66,7 +66,7 @@ import rankwatch
 from rankwatch.base.schema import EventKind, GroupKind
 from rankwatch.base.topology import Layout, group_kind
 from rankwatch.collector.fingerprint import consistency_domain, hash_optimizer, hash_tensors, rng_hashes
-from rankwatch.collector.launcher_env import RUN_DIR_ENV
+from rankwatch.collector.launcher_env import RUN_DIR_ENV, launch_env, numbered
 from rankwatch.recovery.catalog import PIECE_MISSING, PIECE_NONE, PIECE_SAVED, Versions, list_checkpoints
 from rankwatch.recovery.checkpoint import CheckpointConfig, SaveResult, load_checkpoint, save_checkpoint
 from rankwatch.recovery.decision import GateVerdict
@@ -205,13 +205,15 @@ class Checkpointer:
         self._config = CheckpointConfig(keep_last=keep_last)
         self.rank = int(getattr(collector, "rank", dist.get_rank() if dist.is_initialized() else 0))
         self.world_size = int(getattr(collector, "world_size", dist.get_world_size() if dist.is_initialized() else 1))
-        self.attempt = int(getattr(collector, "attempt", 0))
         where = run_dir if run_dir is not None else getattr(getattr(collector, "config", None), "run_dir", None)
         where = where if where is not None else os.environ.get(RUN_DIR_ENV)
         if not where:
             raise ValueError(f"rankwatch.recovery.Checkpointer: no run directory (pass run_dir, attach a collector, or "
                              f"set {RUN_DIR_ENV})")
         self.run_dir = Path(where)
+        # the collector's attempt; without one (RANKWATCH_DISABLE=1's NullCollector), the launch's own number
+        attempt = getattr(collector, "attempt", None)
+        self.attempt = int(attempt) if attempt is not None else numbered(launch_env(), self.run_dir).attempt
         self.layout = job_layout(mesh, self.world_size)
         self._versions = job_versions(config, seed=seed)
         self._group = group
