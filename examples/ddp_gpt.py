@@ -123,6 +123,7 @@ def main() -> None:
                         help="fingerprint the state every N steps (0: never)")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     parser.add_argument("--resume", action="store_true", help="resume from the run's newest usable checkpoint")
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
     args = parser.parse_args()
 
     if torch.cuda.is_available():
@@ -142,10 +143,12 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     data = TokenStream(args, rank, device)
 
-    numerics = {k: v for k, v in vars(args).items() if k not in ("steps", "warmup", "save_every", "resume")}
+    numerics = {k: v for k, v in vars(args).items()
+                if k not in ("steps", "warmup", "save_every", "resume", "async_save")}
     ckpt = recovery.Checkpointer(rw, model, optimizer, lr_scheduler=None, grad_scaler=None, data=data,  # rankwatch
                                  rng={"torch": "per_rank" if args.per_rank_seed else "replicated"},  # rankwatch
-                                 every=args.save_every, config=numerics)  # rankwatch
+                                 every=args.save_every, config=numerics,  # rankwatch
+                                 async_save=args.async_save)  # rankwatch
     first = ckpt.resume() if args.resume else 0  # rankwatch
 
     started = time.perf_counter()
@@ -172,6 +175,7 @@ def main() -> None:
     # every rank out of its last collective before any tears its process group down: gloo's ring finishes on the
     # ranks at different moments, and a peer that exits first can abort one still finishing (measured here: 3 of
     # 26 runs without this barrier ended "terminate called without an active exception", SIGABRT; 1 of ~100 with it)
+    ckpt.close()  # rankwatch: the save in flight committed (or not) before the process group goes
     dist.barrier()
     dist.destroy_process_group()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rankwatch.canary.faults import FAULT_HELP
+from rankwatch.recovery.decision import MembershipSupport
 
 if TYPE_CHECKING:
     from rankwatch.analytics.analyze import Analysis
@@ -408,12 +409,35 @@ def _localize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _watch(args: argparse.Namespace) -> int:
+def job_from_run(run_dir: Path) -> Any:
+    """The job the run's latest launch recorded: a command the recovery manager launched (`control.command`), else
+    the canary's config. ValueError naming the run file when it records neither."""
+    from rankwatch.base.rundir import read_launches
+    from rankwatch.control.command import COMMAND_JOB, CommandJob
+
+    launches = read_launches(run_dir)
+    if launches and any(r.get("job") == COMMAND_JOB for r in launches):
+        return CommandJob.from_run(run_dir)
     from rankwatch.canary.config import config_from_run
+
+    return config_from_run(run_dir)
+
+
+def _launcher_of(job: Any) -> Any:
+    from rankwatch.control.command import CommandJob, CommandLauncher
+
+    if isinstance(job, CommandJob):
+        return CommandLauncher()
+    from rankwatch.canary.launcher import CanaryLauncher
+
+    return CanaryLauncher()
+
+
+def _watch(args: argparse.Namespace) -> int:
     from rankwatch.control.monitor import Monitor
 
     Monitor(args.run_dir, window=args.window, every=args.every, poll=args.poll, anomaly=not args.no_anomaly,
-            webhook=args.webhook, secret_file=args.secret_file, load_job=config_from_run).run(count=args.count)
+            webhook=args.webhook, secret_file=args.secret_file, load_job=job_from_run).run(count=args.count)
     return 0
 
 
@@ -518,11 +542,18 @@ def _evidence(args: argparse.Namespace) -> int:
 def _recover(args: argparse.Namespace) -> int:
     from rankwatch.analytics.analyze import input_warnings
     from rankwatch.base.rundir import RunDir
-    from rankwatch.canary.config import config_from_run
-    from rankwatch.canary.launcher import launch
     from rankwatch.control.manager import apply, assess, recurrence_from
 
-    cfg = config_from_run(args.run_dir)
+    cfg = job_from_run(args.run_dir)
+    if args.continue_on is not None:
+        from rankwatch.control.manager import continue_on
+
+        ok, lines = continue_on(cfg, args.continue_on)
+        print(f"rankwatch recover: can {args.run_dir} go on with {args.continue_on} of its {cfg.world_size} ranks? "
+              f"{'yes' if ok else 'no'}")
+        for line in lines:
+            print(f"  {line}")
+        return 0 if ok else 1
     with input_warnings() as warnings:  # what the analyses behind the plan left out or could not see
         recurrence = recurrence_from([args.run_dir, *args.history]) if args.history else None
         plan = assess(args.run_dir, layout=cfg.layout, job=cfg.declaration(), recurrence=recurrence)
@@ -535,7 +566,7 @@ def _recover(args: argparse.Namespace) -> int:
         if plan.relaunch or plan.quarantines:
             print("dry run: nothing touched (--apply carries it out)")
         return 0
-    rec = apply(cfg, plan, launcher=launch, say=lambda m: print(f"rankwatch recover: {m}", flush=True),
+    rec = apply(cfg, plan, launcher=_launcher_of(cfg), say=lambda m: print(f"rankwatch recover: {m}", flush=True),
                 timeout_s=args.timeout)
     print(f"rankwatch recover: {rec.id}: {rec.outcome}; record in {RunDir(args.run_dir).recovery_record(rec.id)}")
     return 0 if rec.ok else 1
@@ -584,8 +615,18 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("manager", help="the recovery manager as a service (signed alerts in, recoveries out)")
     msub = m.add_subparsers(dest="manager_command", required=True)
     sv = msub.add_parser("serve", help="serve POST /alerts (Standard Webhooks signed), /alertmanager (evidence "
-                                       "only), GET /status; launch the job when --nproc/--steps are given")
+                                       "only), GET /status; launch the canary when --nproc/--steps are given, or "
+                                       "any job's command given after `--`",
+                         usage="rankwatch manager serve --run-dir RUN --secret-file F [options] [-- COMMAND ...]")
     _job_args(sv, required=False)
+    sv.add_argument("--membership", default=str(MembershipSupport.FIXED_SHAPES),
+                    choices=[str(m) for m in MembershipSupport],
+                    help="with a command: the membership change the job's algorithm supports (fixed_shapes: FSDP, "
+                         "TP, PP, or any job that has not said; pure_dp_reconfigurable_batch: pure data parallel "
+                         "whose batch is re-planned over fewer replicas)")
+    sv.add_argument("--devices", default="", metavar="LIST",
+                    help="with a command: the GPUs (indices or UUIDs, spares included) its ranks may use, given to it "
+                         "as CUDA_VISIBLE_DEVICES off the quarantine list")
     sv.add_argument("--listen", default="127.0.0.1:8787", metavar="HOST:PORT", help="loopback by default")
     sv.add_argument("--secret-file", type=Path, required=True, help="the webhook secret (one line, whsec_...)")
     sv.add_argument("--token-file", type=Path, default=None,
@@ -595,16 +636,27 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _manager(args: argparse.Namespace) -> int:
-    from rankwatch.canary.config import config_from_run
-    from rankwatch.canary.launcher import CanaryLauncher
     from rankwatch.control.service import serve
 
+    command = list(getattr(args, "job_command", None) or [])
+    if command and args.nproc is not None:
+        raise ValueError("give the canary's --nproc/--steps or a command after `--`, not both")
     if (args.nproc is None) != (args.steps is None):
         raise ValueError("--nproc and --steps go together (both: launch the job; neither: act on the run as "
                          "<run>/run.json last recorded it)")
-    job = _canary_config(args) if args.nproc is not None else None
+    job: Any = None
+    if command:
+        from rankwatch.base.topology import Layout
+        from rankwatch.control.command import CommandJob
+
+        job = CommandJob.from_args(args.run_dir, command, layout=Layout.parse(args.layout) if args.layout else None,
+                                   membership=MembershipSupport(args.membership),
+                                   devices=[d.strip() for d in args.devices.split(",") if d.strip()])
+    elif args.nproc is not None:
+        job = _canary_config(args)
     launch_kw = {"timeout_s": args.timeout} if args.timeout is not None else None
-    return serve(args.run_dir, launcher=CanaryLauncher(), load_job=config_from_run, listen=args.listen,
+    launcher = _launcher_of(job if job is not None else _recorded_job(args.run_dir))
+    return serve(args.run_dir, launcher=launcher, load_job=job_from_run, listen=args.listen,
                  secret_file=args.secret_file, token_file=args.token_file, job=job, launch_kw=launch_kw,
                  log_level=args.log_level)
 
@@ -818,6 +870,9 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--history", type=Path, nargs="*", default=[], metavar="RUN",
                     help="other runs of the job, for recurrence (does a fault follow a device, host or link?)")
     rc.add_argument("--timeout", type=float, default=None, help="terminate a relaunch after this many seconds")
+    rc.add_argument("--continue-on", type=int, default=None, metavar="N",
+                    help="only answer: can the job go on with N ranks (a membership change it declared), and if "
+                         "so on what conditions")
     li = sub.add_parser("lineage", help="a run's lineage: every entry, and whether each bitwise promise was checked "
                                         "and held")
     li.add_argument("run_dir", type=Path, help=RUN_DIR_HELP)
@@ -846,16 +901,29 @@ def build_parser() -> argparse.ArgumentParser:
     return _finish(parser)
 
 
+def _recorded_job(run_dir: Path) -> Any:
+    """The job the run recorded, or None (no run file yet, or one that records no launch)."""
+    try:
+        return job_from_run(run_dir)
+    except ValueError:
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     if raw[:1] == ["torchrun"]:
         return _torchrun(raw[1:])
+    command: list[str] = []
+    if raw[:2] == ["manager", "serve"] and "--" in raw:  # the job's own command line, not parsed here
+        at = raw.index("--")
+        raw, command = raw[:at], raw[at + 1:]
     parser = build_parser()
     unknown = _unknown_command(parser, raw)
     if unknown is not None:
         print(unknown, file=sys.stderr)
         return 2
     args = parser.parse_args(raw)
+    args.job_command = command
     args.command = ALIASES.get(args.command, args.command)
     if args.command in _READS_RUNS:  # at once, before the command's imports (seconds) and its work
         from rankwatch.base.rundir import run_dir_problem

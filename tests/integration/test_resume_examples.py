@@ -72,3 +72,27 @@ def test_killed_example_resumes_bitwise(tmp_path: Path, example: str) -> None:
         assert replayed["from_step"] == resumed_from + 1 and replayed["to_step"] >= killed_at, replayed  # type: ignore[index]
     else:
         assert names[-1] == "restart", names
+
+
+def test_a_half_written_asynchronous_save_is_passed_over_and_the_resume_is_bitwise(tmp_path: Path) -> None:
+    """FSDP2 with `--async-save`: rank 1 is killed halfway through writing its file of the step-11 save (on the
+    save's own thread, while training goes on: `recovery.checkpoint.CheckpointFault`, the drills' hook). The save
+    never committed: the catalog calls it PARTIAL, the relaunch resumes from step 7 and ends bitwise equal to a run
+    with synchronous saves that was never interrupted — the asynchronous save held the state of its own step."""
+    from rankwatch.recovery.checkpoint import CHECKPOINT_FAULT_ENV
+
+    example = "fsdp2_transformer"
+    reference = run_ok(tmp_path / "reference", example, *ARGS, steps=STEPS)
+    fault = {CHECKPOINT_FAULT_ENV: "kill:rank=1,step=11,at=shard"}
+    with running(tmp_path / "killed", example, *ARGS, "--async-save", steps=STEPS, env=fault) as job:
+        assert job.wait() != 0, job.tail()
+    run = job.run_dir
+    found = {c.path.name: c.verdict for c in list_checkpoints(run, verify=True)}
+    assert found.get(".step-00000011.tmp") is Verdict.PARTIAL and found.get("step-00000007") is Verdict.COMMITTED, found
+    assert "step-00000011" not in found, found
+
+    with running(tmp_path / "killed", example, *ARGS, "--async-save", steps=STEPS) as again:
+        assert again.wait() == 0, again.tail()
+    assert "resume from step-00000007" in again.log.read_text(), again.tail()
+    want, got = fingerprints(reference), fingerprints(run, 1)
+    assert min(s for (_, s) in got) == 8 and got == {k: want[k] for k in got}

@@ -204,3 +204,103 @@ def test_without_a_collector_the_attempt_is_the_launch_number(tmp_path: Path, wo
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert [attempt("first"), attempt("second"), attempt("first")] == [0, 1, 0]
+
+
+def test_a_relaunch_resumes_only_from_the_checkpoint_the_manager_ordered(tmp_path: Path, world_of_one: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankwatch.recovery.job import RESUME_FROM_ENV
+
+    Job(tmp_path / "run").train(0, 7)  # saves step-00000002 and step-00000005
+    monkeypatch.setenv(RESUME_FROM_ENV, "step-00000002")  # e.g. a checkpoint that appeared after the decision
+    with pytest.raises(ValueError, match="ordered a resume from step-00000002; the newest usable checkpoint is "
+                                         "step-00000005"):
+        Job(tmp_path / "run", attempt=1).ckpt.resume()
+    monkeypatch.setenv(RESUME_FROM_ENV, "step-00000005")
+    assert Job(tmp_path / "run", attempt=2).ckpt.resume() == 6
+
+
+def test_a_restart_from_step_zero_ordered_by_the_manager(tmp_path: Path, world_of_one: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankwatch.recovery.job import FROM_START, RESUME_FROM_ENV
+
+    Job(tmp_path / "run").train(0, 7)
+    monkeypatch.setenv(RESUME_FROM_ENV, FROM_START)
+    assert Job(tmp_path / "run", attempt=1).ckpt.resume() == 0
+    assert not lineage_path(tmp_path / "run").exists()  # the manager writes the restart's lineage, not the job
+
+
+def test_a_relaunch_that_never_resumes_is_stopped_at_its_first_step(tmp_path: Path, world_of_one: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankwatch.recovery.job import RESUME_FROM_ENV
+
+    monkeypatch.setenv(RESUME_FROM_ENV, "step-00000005")
+    job = Job(tmp_path / "run")
+    with pytest.raises(RuntimeError, match=r"without calling Checkpointer.resume\(\)"):
+        job.train(0, 1)
+
+
+def test_a_layout_declared_to_the_manager_must_be_the_mesh(tmp_path: Path, world_of_one: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankwatch.recovery.job import LAYOUT_ENV
+
+    monkeypatch.setenv(LAYOUT_ENV, "dp=1,tp=1,pp=1")
+    Job(tmp_path / "ok")
+    monkeypatch.setenv(LAYOUT_ENV, "dp=2,tp=2,pp=1")
+    with pytest.raises(ValueError, match="layout is dp=2,tp=2,pp=1 .*its mesh says dp=1,tp=1,pp=1"):
+        Job(tmp_path / "bad")
+
+
+class AsyncJob(Job):
+    def __init__(self, run_dir: Path, *, attempt: int = 0) -> None:
+        super().__init__(run_dir, attempt=attempt)
+        self.ckpt = Checkpointer(self.collector, self.model, self.optimizer, lr_scheduler=self.scheduler,
+                                 grad_scaler=None, data=self.data, rng="replicated", every=3, config={"lr": 0.01},
+                                 async_save=True)
+
+
+def test_an_asynchronous_save_commits_the_state_of_its_step_while_training_goes_on(tmp_path: Path,
+                                                                                   world_of_one: Any) -> None:
+    straight = Job(tmp_path / "straight")
+    straight.train(0, 10)
+
+    first = AsyncJob(tmp_path / "run")
+    first.train(0, 7)  # saves after steps 2 and 5, each written while the next steps train
+    result = first.ckpt.close()
+    assert result is not None and result.ok and result.step == 5
+    assert [c.verdict for c in list_checkpoints(tmp_path / "run", verify=True)] == [Verdict.COMMITTED] * 2
+
+    again = AsyncJob(tmp_path / "run", attempt=1)
+    assert again.ckpt.resume() == 6
+    again.train(6, 10)
+    again.ckpt.close()
+    assert all(torch.equal(a, b) for a, b in zip(again.params(), straight.params()))  # the step's state, not later
+
+
+def test_a_half_written_asynchronous_save_is_never_chosen(tmp_path: Path, world_of_one: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import rankwatch.recovery.checkpoint as protocol
+
+    held, release = threading.Event(), threading.Event()
+    write = protocol._write_durably
+
+    def slow(path: Path, data: bytes, *, mid: Any = None) -> None:
+        if ".step-00000005.tmp" in str(path):  # the second save stops halfway, as a killed process leaves it
+            held.set()
+            release.wait(30)
+            raise OSError("the process was killed")
+        write(path, data, mid=mid)
+
+    monkeypatch.setattr(protocol, "_write_durably", slow)
+    first = AsyncJob(tmp_path / "run")
+    first.train(0, 7)
+    assert held.wait(30)
+    found = {c.path.name: c.verdict for c in list_checkpoints(tmp_path / "run", verify=True)}
+    assert found == {"step-00000002": Verdict.COMMITTED, ".step-00000005.tmp": Verdict.PARTIAL}, found
+
+    again = Job(tmp_path / "run", attempt=1)  # another process resumes while the save is half written
+    assert again.ckpt.resume() == 3
+    release.set()
+    result = first.ckpt.wait()
+    assert result is not None and not result.ok and "killed" in result.reason

@@ -323,9 +323,22 @@ def test_apply_relaunches_off_the_quarantine_list_or_refuses_and_says_so(tmp_pat
     assert bad not in {u for _, _, u in placement(again).values()} and rec.outcome == "recovered" and rec.ok
     replaced = [e for e in read(lineage_path(cfg.run_dir)) if e.kind is LineageKind.DEVICE_REPLACED]
     assert [e.details.old_device for e in replaced] == [bad]
-    # two ranks on a two-slot host: every placement touches the quarantined device
+    # two ranks on a two-slot host: every placement of both touches the quarantined device. Fixed shapes (tp=2):
+    # refused, never shrunk
+    fixed = replace(cfg, layout=Layout(tp=2))
     launcher = FakeLauncher()
-    rec = apply(cfg, plan, launcher=launcher)
+    rec = apply(fixed, plan, launcher=launcher)
     assert not launcher.calls and rec.outcome == "relaunch_refused" and not rec.ok and "quarantined" in rec.refused
+    assert "fixed_shapes" in rec.refused
     doc = json.loads((cfg.run_dir / RECOVERY_DIR / f"{rec.id}.json").read_text())
     assert doc["outcome"] == "relaunch_refused" and doc["relaunch"] is None and doc["refused"]
+    # the canary's pure dp=2 declares a reconfigurable batch: it goes on with one replica, and lineage says so
+    launcher = FakeLauncher()
+    rec = apply(cfg, plan, launcher=launcher)
+    [smaller] = launcher.calls
+    assert smaller.world_size == 1 and bad not in {u for _, _, u in placement(smaller).values()}
+    assert rec.outcome == "recovered" and rec.world_size == 1
+    entries = read(lineage_path(cfg.run_dir))
+    changed = [e for e in entries if e.kind is LineageKind.WORLD_SIZE_CHANGE]
+    assert [(e.details.old_world_size, e.details.new_world_size) for e in changed] == [(2, 1)]
+    assert entries[-2].kind is LineageKind.RESTART and str(entries[-2].verdict.comparability) == "changed"

@@ -426,7 +426,8 @@ def test_a_relaunch_never_lands_on_a_quarantined_device(run_dir: Path, slots: in
     from rankwatch.canary.config import placement
     from rankwatch.collector.gpu import replay_uuid
 
-    cfg = replace(job(run_dir), slots_per_host=slots)
+    # without spare slots the job has fixed shapes (tp=2): a pure-dp canary would go on with fewer replicas
+    cfg = replace(job(run_dir), slots_per_host=slots, **({} if slots else {"layout": Layout(tp=2)}))
     fake = FakeLauncher(("run", "ok"))
     bad = replay_uuid("host0", 1)  # rank 1's device
     with ManagerService(run_dir, secret=SECRET, job=cfg, launcher=fake, planner=plan_from_message) as svc:
@@ -443,7 +444,7 @@ def test_a_relaunch_never_lands_on_a_quarantined_device(run_dir: Path, slots: in
         assert bad not in {u for _, _, u in placement(again).values()} and again.device_shift == 2
         kinds = [(str(e.kind), e.details.old_device, e.details.new_device) for e in read(lineage_path(run_dir))]
         assert ("device_replaced", bad, replay_uuid("host0", 0)) in kinds
-    else:  # two ranks on a two-slot host: nowhere else to go
+    else:  # two ranks of fixed shapes on a two-slot host: nowhere else to go
         assert s["last_decision"]["state"] == "failed" and "nothing is left" in s["last_decision"]["outcome"]
         assert s["job"]["state"] == JobState.FAILED and len(fake.calls) == 1
 

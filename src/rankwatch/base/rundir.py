@@ -168,6 +168,10 @@ class RunDir:
     def alertmanager_log(self) -> Path:
         return self.manager / ALERTMANAGER_LOG
 
+    def job_log(self, attempt: int) -> Path:
+        """The output of an attempt the recovery manager launched by command (`control.command`)."""
+        return self.manager / f"attempt-{attempt}.log"
+
 
 # ---------------------------------------------------------------------------------------------------- writing
 

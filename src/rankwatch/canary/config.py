@@ -152,6 +152,14 @@ class CanaryConfig:
         n = _slots(self)
         return [replace(self, device_shift=(self.device_shift + k) % n) for k in range(1, n)]
 
+    def resized(self, world_size: int) -> CanaryConfig:
+        """The canary on `world_size` data-parallel replicas: its global batch is kept and re-split (so dp must
+        divide it), only a pure-dp layout. ValueError otherwise."""
+        if self.layout.tp != 1 or self.layout.pp != 1:
+            raise ValueError(f"layout {self.layout}: tensor and pipeline shapes are fixed; the canary cannot run on "
+                             f"{world_size} ranks")
+        return replace(self, layout=Layout(dp=world_size))
+
     def relaunched(self, *, checkpoint: str | None, keep_faults: bool, replay_basis: int | None) -> CanaryConfig:
         """Only the machine's own faults (`Faults.hardware`: a bad device slot, a slow link) are kept unless
         `keep_faults`: the injected ones stood for a transient fault."""

@@ -842,22 +842,27 @@ class Collector:
     # -- checkpoints ----------------------------------------------------------------------------------
     @contextmanager
     def checkpoint_phase(
-        self, step: int, checkpoint_id: str, phase: CheckpointPhase, nbytes: int | None = None
+        self, step: int, checkpoint_id: str, phase: CheckpointPhase, nbytes: int | None = None, *,
+        background: bool = False,
     ) -> Iterator[CheckpointPhaseRecord]:
-        """Time one checkpoint phase; set `.bytes` on the yielded record if known only afterwards."""
+        """Time one checkpoint phase; set `.bytes` on the yielded record if known only afterwards. `background`: a
+        phase of an asynchronous save on a thread of its own, recorded without counting it in the training step that
+        runs meanwhile or showing it as where the rank is (the liveness record)."""
         record = CheckpointPhaseRecord(bytes=nbytes)
         start_mono, start_wall = time.monotonic_ns(), time.time_ns()
         error: str | None = None
-        self._live_checkpoint = (f"checkpoint.{phase}", start_wall)
+        if not background:
+            self._live_checkpoint = (f"checkpoint.{phase}", start_wall)
         try:
             yield record
         except BaseException as exc:
             error = f"{type(exc).__name__}: {exc}"[:500]
             raise
         finally:
-            self._live_checkpoint = None
             end_mono, end_wall = time.monotonic_ns(), time.time_ns()
-            current = self._current
+            current = None if background else self._current
+            if not background:
+                self._live_checkpoint = None
             if current is not None:
                 current.checkpoint_ns += end_mono - start_mono
             self._append(

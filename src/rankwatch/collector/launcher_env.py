@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-__all__ = ["ATTEMPT_ENV", "DISABLE_ENV", "RUN_DIR_ENV", "LaunchEnv", "disabled", "launch_env", "numbered"]
+__all__ = ["ATTEMPT_ENV", "DISABLE_ENV", "LAUNCH_ENV", "RUN_DIR_ENV", "LaunchEnv", "disabled", "launch_env", "numbered"]
 
 RUN_DIR_ENV = "RANKWATCH_RUN_DIR"
 """The run directory when `attach` is given none (`rankwatch torchrun --run-dir` sets it)."""
@@ -23,6 +23,11 @@ DISABLE_ENV = "RANKWATCH_DISABLE"
 ATTEMPT_ENV = "RANKWATCH_ATTEMPT"
 """The attempt number, when the launcher numbers attempts itself (the canary's launcher); otherwise `numbered` finds
 it in the run file from the launch's own identity."""
+
+LAUNCH_ENV = "RANKWATCH_LAUNCH"
+"""The launch's name, when the process that started the launcher names it (the recovery manager's command launcher,
+`control.command`, which records the launch under it first): it replaces torchrun's run id in the launch key, with the
+restart count after it, so torchrun's own restarts of that launch are the next attempts."""
 
 
 def disabled(env: Mapping[str, str] | None = None) -> bool:
@@ -79,13 +84,17 @@ def launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         out = LaunchEnv(rank=_int(env, "RANK"), world_size=_int(env, "WORLD_SIZE"),
                         local_rank=_int(env, "LOCAL_RANK", 0), attempt=restarts,
                         launcher="torchrun" if "TORCHELASTIC_RUN_ID" in env or "LOCAL_WORLD_SIZE" in env else "env")
-        if env.get("TORCHELASTIC_RUN_ID"):
+        if env.get(LAUNCH_ENV):
+            key = f"{env[LAUNCH_ENV]}:{restarts}"
+        elif env.get("TORCHELASTIC_RUN_ID"):
             key = f"torchrun:{env['TORCHELASTIC_RUN_ID']}:{restarts}"
     elif "SLURM_PROCID" in env:
         restarts = _int(env, "SLURM_RESTART_COUNT", 0)
         out = LaunchEnv(rank=_int(env, "SLURM_PROCID"), world_size=_int(env, "SLURM_NTASKS"),
                         local_rank=_int(env, "SLURM_LOCALID", 0), attempt=restarts, launcher="slurm")
-        if env.get("SLURM_JOB_ID"):
+        if env.get(LAUNCH_ENV):
+            key = f"{env[LAUNCH_ENV]}:{restarts}"
+        elif env.get("SLURM_JOB_ID"):
             key = f"slurm:{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '')}:{restarts}"
     else:
         out = LaunchEnv(rank=0, world_size=1, local_rank=0, attempt=0, launcher="none")

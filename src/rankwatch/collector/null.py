@@ -80,7 +80,8 @@ class NullCollector:
 
     @contextmanager
     def checkpoint_phase(
-        self, step: int, checkpoint_id: str, phase: CheckpointPhase, nbytes: int | None = None
+        self, step: int, checkpoint_id: str, phase: CheckpointPhase, nbytes: int | None = None, *,
+        background: bool = False,
     ) -> Iterator[CheckpointPhaseRecord]:
         yield CheckpointPhaseRecord(bytes=nbytes)
 

@@ -57,7 +57,8 @@ from rankwatch.collector.sink import partition_dir
 from rankwatch.control.wire import AlertMessage
 from rankwatch.recovery.catalog import Verdict, checkpoint_id, list_checkpoints
 from rankwatch.recovery.decision import (
-    Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, ScopeKind, Target, TargetKind,
+    Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, MembershipSupport, ScopeKind, Target,
+    TargetKind,
 )
 from rankwatch.recovery.evidence import preserve_evidence
 from rankwatch.recovery.job import Job, JobDeclaration, LaunchResult
@@ -67,7 +68,7 @@ from rankwatch.recovery.resume import last_completed_step
 
 __all__ = [
     "MAX_FAILED_RELAUNCHES", "Decided", "Outcome", "RecoveryPlan", "RecoveryRecord", "Supervised", "apply", "assess",
-    "Planner", "catalog_view", "covering", "latest_recovery", "localize_attempts", "place_off_quarantine", "plan_from_message", "plan_live", "plan_recovery", "quarantined", "recurrence_from",
+    "Planner", "catalog_view", "continue_on", "covering", "latest_recovery", "localize_attempts", "place_off_quarantine", "plan_from_message", "plan_live", "plan_recovery", "quarantined", "recurrence_from",
     "replay_basis", "reshuffled", "supervise", "write_plan",
 ]
 
@@ -315,6 +316,8 @@ class RecoveryRecord:
     outcome: str
     refused: str = ""
     """Why the relaunch was refused (outcome relaunch_refused): what the quarantine list leaves no room for."""
+    world_size: int | None = None
+    """The relaunch's world size where a declared membership change made it differ from the job's (`continue_on`)."""
 
     @property
     def ok(self) -> bool:
@@ -381,7 +384,10 @@ def place_off_quarantine(run_dir: Path, cfg: J, *, say: Callable[[str], None] = 
     hosts = {e.id for e in entries if e.kind == str(TargetKind.HOST)}
     if not devices and not hosts:
         return cfg
-    placed, moves = cfg.placed_off(devices=devices, hosts=hosts)
+    try:
+        placed, moves = cfg.placed_off(devices=devices, hosts=hosts)
+    except ValueError as exc:  # too little left for the whole world: fewer ranks only where the job declared it
+        return _shrunk(cfg, devices=devices, hosts=hosts, why=str(exc), say=say)
     if not moves:
         return cfg
     for line in moves:
@@ -389,6 +395,58 @@ def place_off_quarantine(run_dir: Path, cfg: J, *, say: Callable[[str], None] = 
     _record_moves(run_dir, cfg, placed, lambda rank, uuid: uuid in devices,
                   lambda rank, uuid: f"rank {rank} placed off quarantined {uuid}: " + "; ".join(moves))
     return placed
+
+
+def continue_on(cfg: Job, world_size: int) -> tuple[bool, tuple[str, ...]]:
+    """Can the job go on with `world_size` ranks instead of its `cfg.world_size` ("can we continue on 2,047
+    GPUs?"): (yes or no, the conditions or the reasons, one line each). Only the membership change the job declared
+    is taken: a pure data-parallel job with a reconfigurable batch may run on fewer replicas (its own `resized` says
+    whether that many fit its batch); fixed shapes may not; a spare replaces a rank 1:1 and changes no world size."""
+    have, decl = cfg.world_size, cfg.declaration()
+    head = f"the job declares membership {decl.membership}"
+    if world_size == have:
+        return True, (f"the world is unchanged ({have} ranks): a relaunch on them, placed off the quarantine list",)
+    if world_size > have or world_size < 1:
+        return False, (f"{world_size} ranks: only a smaller world than the job's {have} is a membership change here",)
+    if decl.membership is MembershipSupport.FIXED_SHAPES:
+        return False, (f"{head}: its group shapes (FSDP / TP / PP, or a job that has not said) cannot change",
+                       f"it goes on only on its full world of {have} ranks: a full restart once {have} devices can "
+                       "be placed off the quarantine list")
+    if decl.membership is MembershipSupport.SPARE_REPLACEMENT:
+        return False, (f"{head}: a spare takes a lost rank's place 1:1, the world stays {have} ranks",
+                       f"without a spare it goes on only after {have} devices can be placed")
+    try:
+        smaller = cfg.resized(world_size)
+    except ValueError as exc:
+        return False, (f"{head}, but it cannot run on {world_size} ranks: {exc}",)
+    return True, (
+        f"{head}: yes, on {world_size} of {have} ranks (layout {cfg.layout} -> {smaller.layout}), if",
+        "  - it resumes from a committed, verified checkpoint (saved by any dp degree of the same tp and pp), behind "
+        f"the consistency gate on the {world_size} ranks",
+        f"  - the job re-plans its data over {smaller.layout.dp} replicas (its global batch or per-rank work changes)",
+        f"  - the trajectory is CHANGED (batch composition, reduction order): lineage records world {have} -> "
+        f"{world_size}; nothing after it is compared bitwise with the run before",
+    )
+
+
+def _shrunk(cfg: J, *, devices: set[str], hosts: set[str], why: str, say: Callable[[str], None]) -> J:
+    """`cfg` resized to the largest world below its own that can be placed off the quarantine list, when the job
+    declared that membership change (`continue_on`); ValueError with `why` and the job's answer otherwise."""
+    for world in range(cfg.world_size - 1, 0, -1):
+        ok, lines = continue_on(cfg, world)
+        if not ok:
+            if cfg.declaration().membership is not MembershipSupport.PURE_DP_RECONFIGURABLE_BATCH:
+                raise ValueError(f"{why}; no smaller world either: {lines[0]}")
+            continue
+        try:
+            placed, _ = cfg.resized(world).placed_off(devices=devices, hosts=hosts)
+        except ValueError:
+            continue
+        say(f"membership: {why}; {lines[0]}")
+        for line in lines[1:]:
+            say(f"membership: {line}")
+        return placed
+    raise ValueError(f"{why}; no smaller world can be placed either")
 
 
 def _record_moves(run_dir: Path, before_cfg: Job, after_cfg: Job, which: Callable[[int, str], bool],
@@ -472,22 +530,13 @@ def apply(
     retired: tuple[str, ...] = ()
     result: LaunchResult | None = None
     refused = ""
+    again = cfg
     if plan.relaunch:
         retired = _retire(run_dir, plan.checkpoint, rid)
         for r in retired:
             say(f"{rid}: retired checkpoint {r}")
         again = cfg.relaunched(checkpoint=None if plan.checkpoint is None else plan.checkpoint.id,
                                keep_faults=keep_faults, replay_basis=replay_basis(plan))
-        if plan.checkpoint is None:
-            last = last_completed_step(run_dir, before_attempt=len(_launches(run_dir)))
-            book = Lineage(lineage_path(run_dir))
-            book.append(NewEntry(kind=LineageKind.RESTART, verdict=LineageVerdict.identical(
-                "same layout, devices, code and seed from step 0"), details=Details(
-                from_step=last, to_step=0, text=f"{rid}: restart from step 0 (no clean committed checkpoint)")))
-            if last is not None:
-                book.append(NewEntry(kind=LineageKind.REPLAYED_DATA_RANGE, verdict=LineageVerdict.identical(),
-                                     details=Details(from_step=0, to_step=last + 1,
-                                                     text=f"steps 0..{last} are trained again")))
         try:
             if (failures := _failed_in_a_row(run_dir)) >= max_failed_relaunches:
                 raise ValueError(f"crash loop: the last {failures} relaunches failed, and nothing localized the fault "
@@ -497,6 +546,8 @@ def apply(
                 again = reshuffled(run_dir, again, plan.reshuffle, say=lambda m: say(f"{rid}: {m}"))
         except ValueError as exc:
             refused = f"{exc}"
+        if plan.checkpoint is None and not refused:
+            _record_restart(run_dir, rid, cfg, again)
         if refused:
             say(f"{rid}: relaunch refused: {refused}")
             outcome = Outcome.RELAUNCH_REFUSED
@@ -507,10 +558,34 @@ def apply(
             outcome = Outcome.RECOVERED if result.ok else Outcome.RELAUNCH_FAILED
     else:
         outcome = Outcome.QUARANTINED if done else Outcome.OBSERVED
+    resized = again.world_size if again.world_size != cfg.world_size and result is not None else None
     record = RecoveryRecord(id=rid, plan=plan, evidence=tuple(evidence), quarantined=done, retired=retired,
-                            relaunch=result, outcome=str(outcome), refused=refused if plan.relaunch else "")
+                            relaunch=result, outcome=str(outcome), refused=refused if plan.relaunch else "",
+                            world_size=resized)
     write_recovery_record(run_dir, rid, _record_json(record))
     return record
+
+
+def _record_restart(run_dir: Path, rid: str, before: Job, after: Job) -> None:
+    """Lineage of a relaunch from step 0 (a resume records its own): RESTART, identical unless the world changed
+    (a declared membership change: CHANGED, with the new world size), and the steps trained again."""
+    last = last_completed_step(run_dir, before_attempt=len(_launches(run_dir)))
+    book = Lineage(lineage_path(run_dir))
+    if after.world_size == before.world_size:
+        verdict = LineageVerdict.identical("same layout, devices, code and seed from step 0")
+    else:
+        verdict = LineageVerdict.changed(ChangeReason.BATCH_COMPOSITION, ChangeReason.ORDERING, note=(
+            f"world {before.world_size} -> {after.world_size}, layout {before.layout} -> {after.layout}"))
+    book.append(NewEntry(kind=LineageKind.RESTART, verdict=verdict, details=Details(
+        from_step=last, to_step=0, text=f"{rid}: restart from step 0 (no clean committed checkpoint)")))
+    if after.world_size != before.world_size:
+        book.append(NewEntry(kind=LineageKind.WORLD_SIZE_CHANGE, verdict=verdict, details=Details(
+            old_world_size=before.world_size, new_world_size=after.world_size,
+            text=f"{rid}: the job declared {before.declaration().membership}; it goes on with {after.world_size} "
+                 f"of {before.world_size} ranks")))
+    if last is not None:
+        book.append(NewEntry(kind=LineageKind.REPLAYED_DATA_RANGE, verdict=LineageVerdict.identical(),
+                             details=Details(from_step=0, to_step=last + 1, text=f"steps 0..{last} are trained again")))
 
 
 def write_plan(run_dir: Path, plan: RecoveryPlan) -> Path:
@@ -566,6 +641,7 @@ def _record_json(r: RecoveryRecord) -> dict[str, Any]:
                                                      "duration_s": round(r.relaunch.duration_s, 3)},
         "outcome": r.outcome,
         "refused": r.refused or None,
+        "world_size": r.world_size,
     }
 
 

@@ -63,7 +63,8 @@ _CONFIG_FIELDS = ("layout", "model", "seed", "global_batch", "microbatches", "lr
 
 __all__ = [
     "CHECKPOINT_DIR", "CheckpointConfig", "CheckpointFault", "FaultAction", "LoadResult", "SavePoint", "SaveResult",
-    "checkpoint_id", "current_versions", "load_checkpoint", "save_checkpoint",
+    "Staged", "checkpoint_id", "commit_checkpoint", "current_versions", "load_checkpoint", "save_checkpoint",
+    "stage_checkpoint",
 ]
 
 
@@ -348,6 +349,62 @@ def _tree_size(path: Path) -> tuple[int, int]:
 
 
 # -- save -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Staged:
+    """A save's state copied out of training at its step (`stage_checkpoint`): what `commit_checkpoint` writes, while
+    training goes on and changes the live model."""
+
+    step: int
+    rank: int
+    layout: Layout
+    versions: Versions
+    tensors: dict[str, Any]
+    """The DCP state (model and optimizer under their key), cloned."""
+    payload: bytes
+    """The rank's own file (RNG states, data position, scheduler, scaler, extra), serialized."""
+    pieces: tuple[tuple[str, str], ...] = ()
+
+
+def stage_checkpoint(
+    collector: Any,
+    *,
+    step: int,
+    rank: int,
+    layout: Layout,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data_position: int,
+    versions: Versions,
+    lr_scheduler: Any = None,
+    grad_scaler: Any = None,
+    state_key: str | None = None,
+    rank_extra: Mapping[str, Any] | None = None,
+    pieces: tuple[tuple[str, str], ...] = (),
+) -> Staged:
+    """Copy this rank's state for a save of `step` (no collective, no file): model and optimizer cloned (a DTensor's
+    local shard, on its device), the rank's own state serialized. The snapshot and serialize phases."""
+    ckpt = checkpoint_id(step)
+    with collector.checkpoint_phase(step, ckpt, CheckpointPhase.SNAPSHOT) as rec:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        key = state_key if state_key is not None else shard_key(layout, rank)
+        tensors = {key: _clone({"model": model_sd, "optim": optim_sd})}
+        rank_state = {
+            "rank": rank, "step": step, "world_size": layout.world_size, "data_position": int(data_position),
+            "rng": _rng_state(),
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
+            **({"extra": dict(rank_extra)} if rank_extra is not None else {}),
+        }
+        rec.bytes = _nbytes(tensors)
+    with collector.checkpoint_phase(step, ckpt, CheckpointPhase.SERIALIZE) as rec:
+        buf = io.BytesIO()
+        torch.save(rank_state, buf)
+        payload = buf.getvalue()
+        rec.bytes = len(payload)
+    return Staged(step=step, rank=rank, layout=layout, versions=versions, tensors=tensors, payload=payload,
+                  pieces=pieces)
+
+
 def save_checkpoint(
     collector: Any,
     config: CheckpointConfig,
@@ -375,6 +432,20 @@ def save_checkpoint(
     tensor). `rank_extra` goes into the rank's own file (a loader's state, the fingerprints of what was saved);
     `pieces` into the manifest (`Manifest.pieces`). Returns the same result on every rank; raises only when the group
     itself broke (or on a bug)."""
+    staged = stage_checkpoint(collector, step=step, rank=rank, layout=layout, model=model, optimizer=optimizer,
+                              data_position=data_position, versions=versions, lr_scheduler=lr_scheduler,
+                              grad_scaler=grad_scaler, state_key=state_key, rank_extra=rank_extra, pieces=pieces)
+    return commit_checkpoint(collector, config, staged, run_dir=run_dir, group=group)
+
+
+def commit_checkpoint(collector: Any, config: CheckpointConfig, staged: Staged, *, run_dir: Path, group: Any
+                      ) -> SaveResult:
+    """Write a staged save and commit it: the write, fsync, gather and publish phases of the protocol (module
+    docstring). Collective over `group`; every rank calls it with its own `Staged` of the same step. It may run on a
+    thread of its own while training goes on (`recovery.Checkpointer`'s asynchronous save), with a process group of
+    its own: nothing here touches the live model."""
+    step, rank, layout, versions = staged.step, staged.rank, staged.layout, staged.versions
+    tensors, payload, pieces = staged.tensors, staged.payload, staged.pieces
     ckpt = checkpoint_id(step)
     root = Path(run_dir) / CHECKPOINT_DIR
     tmp = root / f".{ckpt}.tmp"
@@ -396,23 +467,6 @@ def save_checkpoint(
             error = _why(exc, root)
     with collector.collective("barrier", group):
         dist.barrier(group=group)
-
-    with collector.checkpoint_phase(step, ckpt, CheckpointPhase.SNAPSHOT) as rec:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        key = state_key if state_key is not None else shard_key(layout, rank)
-        tensors = {key: _clone({"model": model_sd, "optim": optim_sd})}
-        rank_state = {
-            "rank": rank, "step": step, "world_size": world, "data_position": int(data_position), "rng": _rng_state(),
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
-            **({"extra": dict(rank_extra)} if rank_extra is not None else {}),
-        }
-        rec.bytes = _nbytes(tensors)
-    with collector.checkpoint_phase(step, ckpt, CheckpointPhase.SERIALIZE) as rec:
-        buf = io.BytesIO()
-        torch.save(rank_state, buf)
-        payload = buf.getvalue()
-        rec.bytes = len(payload)
 
     mine: list[Path] = []
     files: list[ShardFile] = []
@@ -564,12 +618,17 @@ def load_checkpoint(
     """Restore model, optimizer and this rank's RNG states from `candidate`; returns the data position and the
     rest of the per-rank state. Collective over `group`. With `verify`, the ranks split the manifest's files,
     check their SHA-256 and agree on the result before anything is loaded (ValueError if any is damaged).
-    `state_key` as `save_checkpoint` was given it."""
+    `state_key` as `save_checkpoint` was given it. With one `state_key` for every rank, a checkpoint saved by
+    another data-parallel degree (same tp and pp) loads too: DCP reads each tensor for the new sharding, and rank r
+    takes the rank file of old rank r mod the old world size (its RNG states, data position and fingerprints; the job
+    re-plans its data over the new replicas, and lineage marks the resume CHANGED)."""
     manifest = candidate.manifest
     if candidate.verdict is not Verdict.COMMITTED or manifest is None:
         raise ValueError(f"checkpoint {candidate.path}: {candidate.verdict} ({candidate.reason}); not loadable")
-    if manifest.layout != layout:
+    if manifest.layout != layout and (state_key is None or (manifest.layout.tp, manifest.layout.pp) != (layout.tp,
+                                                                                                       layout.pp)):
         raise ValueError(f"checkpoint {candidate.path}: layout incompatible: saved by {manifest.layout}, job is {layout}")
+    source = rank % manifest.world_size
     ckpt, step, world = manifest.checkpoint_id, manifest.step, layout.world_size
     if verify:
         with collector.checkpoint_phase(step, ckpt, CheckpointPhase.VERIFY) as rec:
@@ -597,10 +656,10 @@ def load_checkpoint(
         dcp.load(tensors, storage_reader=dcp.FileSystemReader(candidate.path / DCP_DIR), process_group=group)
         loaded = tensors[key]
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-        state = torch.load(candidate.path / rank_shard_name(rank), weights_only=True)
-        if state["rank"] != rank or state["step"] != step or state["world_size"] != world:
-            raise ValueError(f"checkpoint {candidate.path}: {rank_shard_name(rank)} holds rank {state['rank']} step "
-                             f"{state['step']} of world {state['world_size']}, expected rank {rank} step {step}")
+        state = torch.load(candidate.path / rank_shard_name(source), weights_only=True)
+        if state["rank"] != source or state["step"] != step or state["world_size"] != manifest.world_size:
+            raise ValueError(f"checkpoint {candidate.path}: {rank_shard_name(source)} holds rank {state['rank']} step "
+                             f"{state['step']} of world {state['world_size']}, expected rank {source} step {step}")
         set_rng_state(state["rng"])
         rec.bytes = _nbytes(tensors)
     return LoadResult(checkpoint_id=ckpt, step=step, data_position=int(state["data_position"]),

@@ -51,9 +51,11 @@ the next attempt.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
@@ -68,10 +70,13 @@ from rankwatch.base.topology import Layout, group_kind
 from rankwatch.collector.fingerprint import consistency_domain, hash_optimizer, hash_tensors, rng_hashes
 from rankwatch.collector.launcher_env import RUN_DIR_ENV, launch_env, numbered
 from rankwatch.recovery.catalog import PIECE_MISSING, PIECE_NONE, PIECE_SAVED, Versions, list_checkpoints
-from rankwatch.recovery.checkpoint import CheckpointConfig, SaveResult, load_checkpoint, save_checkpoint
+from rankwatch.recovery.checkpoint import (
+    CheckpointConfig, CheckpointFault, SaveResult, Staged, commit_checkpoint, load_checkpoint, save_checkpoint, stage_checkpoint,
+)
 from rankwatch.recovery.decision import GateVerdict
 from rankwatch.recovery.determinism import pin_ddp_buckets
 from rankwatch.recovery.gate import Domain, Field, GateOutcome, RankState, run_gate
+from rankwatch.recovery.job import FROM_START, LAYOUT_ENV, REPLAY_BASIS_ENV, RESUME_FROM_ENV
 from rankwatch.recovery.lineage import comparability_of_resume
 from rankwatch.recovery.resume import FROM_INITIALIZATION, GateRefused, last_completed_step, plan, record_resume
 
@@ -115,6 +120,24 @@ def _scope(value: RngScope | str) -> RngScope:
     except ValueError:
         raise ValueError(f"rankwatch.recovery.Checkpointer: rng scope {value!r} is not "
                          f"{' or '.join(repr(str(s)) for s in RngScope)}") from None
+
+
+class _Background:
+    """The collector as an asynchronous save's thread uses it: its checkpoint phases and events are recorded, and
+    nothing of the training thread's own state is touched (its step's time, where the liveness record says it is,
+    its open collectives: the save's collectives run on a process group of their own, not timed)."""
+
+    def __init__(self, collector: Any) -> None:
+        self._collector = collector
+
+    def collective(self, op: str, group: Any, tensor: Any = None, *, peer: int | None = None) -> Any:
+        return contextlib.nullcontext()
+
+    def checkpoint_phase(self, step: int, checkpoint_id: str, phase: Any, nbytes: int | None = None) -> Any:
+        return self._collector.checkpoint_phase(step, checkpoint_id, phase, nbytes, background=True)
+
+    def event(self, kind: EventKind, **kw: Any) -> None:
+        self._collector.event(kind, **kw)
 
 
 class Stateful(Protocol):
@@ -185,12 +208,14 @@ class Checkpointer:
                  lr_scheduler: Any, grad_scaler: Any, data: Stateful | None,
                  rng: RngScope | str | Mapping[str, RngScope | str], every: int,
                  keep_last: int = 3, mesh: Any = None, config: Mapping[str, Any] | None = None, seed: int = 0,
-                 run_dir: str | Path | None = None, group: Any = None) -> None:
+                 run_dir: str | Path | None = None, group: Any = None, async_save: bool = False) -> None:
         """`collector`: the attached collector (its rank, world size, attempt and run directory; a `NullCollector`
         works with `run_dir`). `every`: save after each `every`-th step (`after_step`); 0 saves only when `save` is
         called. `mesh`: the DeviceMesh the layout is read from. `config`: the job's settings that change its numerics
         (hashed into the manifest: a resume under another config is marked CHANGED in the lineage). `group`: the
-        world group (default: torch's default group)."""
+        world group (default: torch's default group). `async_save`: a save copies the state at its step and writes
+        and commits it on a thread of its own, over a gloo process group of its own (built here: a collective), while
+        training goes on (see `save`)."""
         self._collector = collector
         self._model = model
         self._optimizer = optimizer
@@ -202,7 +227,8 @@ class Checkpointer:
         if every < 0:
             raise ValueError(f"rankwatch.recovery.Checkpointer: every must be >= 0, got {every}")
         self._every = every
-        self._config = CheckpointConfig(keep_last=keep_last)
+        # the drills' full disk and killed save, through the job's environment (`checkpoint.CHECKPOINT_FAULT_ENV`)
+        self._config = CheckpointConfig(keep_last=keep_last, fault=CheckpointFault.from_env())
         self.rank = int(getattr(collector, "rank", dist.get_rank() if dist.is_initialized() else 0))
         self.world_size = int(getattr(collector, "world_size", dist.get_world_size() if dist.is_initialized() else 1))
         where = run_dir if run_dir is not None else getattr(getattr(collector, "config", None), "run_dir", None)
@@ -215,10 +241,21 @@ class Checkpointer:
         attempt = getattr(collector, "attempt", None)
         self.attempt = int(attempt) if attempt is not None else numbered(launch_env(), self.run_dir).attempt
         self.layout = job_layout(mesh, self.world_size)
+        declared = os.environ.get(LAYOUT_ENV, "")
+        if declared and declared != str(self.layout):
+            raise ValueError(f"rankwatch.recovery.Checkpointer: the recovery manager was told this job's layout is "
+                             f"{declared} ({LAYOUT_ENV}); its mesh says {self.layout}")
+        self._ordered = os.environ.get(RESUME_FROM_ENV, "") or None
+        """The checkpoint the recovery manager's relaunch must resume from (`FROM_START`: step 0); None unordered."""
+        self._resumed = False
         self._versions = job_versions(config, seed=seed)
         self._group = group
         self.last_save: SaveResult | None = None
         self.buckets_pinned = self._pin_buckets(model)
+        self._async = async_save
+        self._save_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        self._pending: threading.Thread | None = None
+        self._pending_out: list[Any] = []
 
     def _pin_buckets(self, model: torch.nn.Module) -> bool | None:
         """A DDP model's gradient buckets built now, in parameter order (`determinism.pin_ddp_buckets`): DDP otherwise
@@ -238,7 +275,13 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------------------------------
     def after_step(self, step: int) -> SaveResult | None:
-        """Save when `step` completes an `every`-step interval; None otherwise."""
+        """Save when `step` completes an `every`-step interval; None otherwise. RuntimeError when the recovery manager
+        relaunched the job to resume and the script trained without calling `resume` (its command lacks the flag
+        that makes it resume): the trajectory would change invisibly."""
+        if self._ordered is not None and not self._resumed:
+            raise RuntimeError(f"rankwatch.recovery.Checkpointer: the recovery manager relaunched this job to resume "
+                               f"from {self._ordered} ({RESUME_FROM_ENV}), and it trained step {step} without calling "
+                               f"Checkpointer.resume() (does its command ask the script to resume?)")
         if self._every and (step + 1) % self._every == 0:
             return self.save(step)
         return None
@@ -267,24 +310,72 @@ class Checkpointer:
         return {"param": param, "optim": hash_optimizer(self._optimizer), "rng_python": py, "rng_numpy": npy,
                 "rng_torch": cpu, "rng_cuda": cuda, "data": _hash_data(data_state) if data_state is not None else None}
 
-    def save(self, step: int) -> SaveResult:
+    def save(self, step: int) -> SaveResult | None:
         """Save and commit a checkpoint of the state after `step` (collective: every rank calls it). A failed save
-        (a full disk) commits nothing and training goes on; the result says why (`SaveResult.reason`)."""
+        (a full disk) commits nothing and training goes on; the result says why (`SaveResult.reason`).
+
+        With `async_save`, the state is copied now (the snapshot: model and optimizer cloned, the rank's own state
+        serialized), and the write, the per-file SHA-256, the gather of every rank's report and the manifest run on
+        a thread over the Checkpointer's own process group; this returns None at once. The commit rule is the same:
+        the manifest is published only after every rank reported its files, so a save cut short (the process killed
+        while it writes) leaves a ``.tmp`` folder the catalog calls PARTIAL and never chooses. One save is in flight
+        at a time: the next `save`, `resume` and `wait` wait for it."""
+        self.wait()
         pieces, data_state = self._pieces_and_data()
         extra = {"data": data_state, "saved": self._hashes(data_state), "rng_scope": self._rng_text}
-        result = save_checkpoint(
-            self._collector, self._config, run_dir=self.run_dir, step=step, rank=self.rank, layout=self.layout,
-            group=self._group, model=self._model, optimizer=self._optimizer, data_position=-1,  # in `data`
-            versions=self._versions, lr_scheduler=self._scheduler, grad_scaler=self._scaler, state_key=STATE_KEY,
-            rank_extra=extra, pieces=pieces)
-        self.last_save = result
-        return result
+        if not self._async:
+            result = save_checkpoint(
+                self._collector, self._config, run_dir=self.run_dir, step=step, rank=self.rank, layout=self.layout,
+                group=self._group, model=self._model, optimizer=self._optimizer, data_position=-1,  # in `data`
+                versions=self._versions, lr_scheduler=self._scheduler, grad_scaler=self._scaler,
+                state_key=STATE_KEY, rank_extra=extra, pieces=pieces)
+            self.last_save = result
+            return result
+        staged = stage_checkpoint(
+            self._collector, step=step, rank=self.rank, layout=self.layout, model=self._model,
+            optimizer=self._optimizer, data_position=-1, versions=self._versions, lr_scheduler=self._scheduler,
+            grad_scaler=self._scaler, state_key=STATE_KEY, rank_extra=extra, pieces=pieces)
+        self._pending_out = []
+        self._pending = threading.Thread(target=self._commit, args=(staged,), name=f"rankwatch-save-{step}",
+                                         daemon=True)
+        self._pending.start()
+        return None
+
+    def _commit(self, staged: Staged) -> None:
+        try:
+            self._pending_out.append(commit_checkpoint(_Background(self._collector), self._config, staged,
+                                                       run_dir=self.run_dir, group=self._save_group))
+        except BaseException as exc:  # the save's group broke: `wait` raises it in the training thread
+            self._pending_out.append(exc)
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the asynchronous save in flight, if any, and return its result (None when none was in flight).
+        Raises what broke its process group (a dead peer), as a synchronous save would."""
+        thread, self._pending = self._pending, None
+        if thread is None:
+            return None
+        thread.join()
+        out = self._pending_out[0] if self._pending_out else RuntimeError("the asynchronous save left no result")
+        if isinstance(out, BaseException):
+            raise out
+        self.last_save = out
+        return out
+
+    def close(self) -> SaveResult | None:
+        """The end of training: wait for the save in flight (`wait`). Call it before the process group goes."""
+        return self.wait()
 
     # -- resume ----------------------------------------------------------------------------------------------
     def resume(self) -> int:
         """Collective: load the newest usable checkpoint behind the consistency gate and record the lineage; returns
         the step to train next (0 when the run has no checkpoint). Raises ValueError when checkpoints exist but none
         is usable (each named with its reason), `GateRefused` when the gate does not agree."""
+        self._resumed = True
+        self.wait()
+        if self.rank == 0 and os.environ.get(REPLAY_BASIS_ENV, ""):
+            basis = os.environ[REPLAY_BASIS_ENV]
+            self._collector.event(EventKind.REPLAY_BASIS, step=int(basis) if basis.isdigit() else None,
+                                  message=f"earlier attempts are a replay reference before step {basis} only")
         box: list[Any] = [None]
         if self.rank == 0:
             box[0] = self._choose()
@@ -325,7 +416,13 @@ class Checkpointer:
             restored = None
             problems.append(f"data.state_dict() failed after loading: {type(exc).__name__}: {str(exc)[:120]}")
         now = self._hashes(restored)
-        for name in ("param", "optim", "rng_python", "rng_numpy", "rng_torch", "rng_cuda", "data"):
+        names: tuple[str, ...] = ("param", "optim", "rng_python", "rng_numpy", "rng_torch", "rng_cuda", "data")
+        if m.world_size != self.world_size and self._sharded():
+            problems.append(f"the state is sharded (DTensor) and was saved by {m.world_size} ranks: each rank's "
+                            f"shards after loading on {self.world_size} cannot be checked against what any rank "
+                            "saved, so the resume is not proven")
+            names = names[2:]
+        for name in names:
             if name in saved and saved[name] != now[name]:
                 problems.append(f"{name} after loading differs from what rank {self.rank} saved")
         if not saved:
@@ -343,18 +440,33 @@ class Checkpointer:
         return loaded.step + 1
 
     def _choose(self) -> Any:
-        """Rank 0: the plan, None when the run has no checkpoint candidates at all, or the one-line refusal."""
-        if not list_checkpoints(self.run_dir, verify=False):
+        """Rank 0: the plan, None when the run has no checkpoint candidates at all (or the recovery manager ordered a
+        start from step 0), or the one-line refusal (also when the manager ordered a checkpoint and the newest usable
+        one is another)."""
+        if self._ordered == FROM_START:
             return None
+        if not list_checkpoints(self.run_dir, verify=False):
+            return (None if self._ordered is None else
+                    f"the recovery manager ordered a resume from {self._ordered}; the run has no checkpoint")
         try:
-            return plan(self.run_dir, layout=self.layout)
+            chosen = plan(self.run_dir, layout=self.layout)
         except ValueError as exc:
             return str(exc)
+        if self._ordered is not None and chosen.chosen.path.name != self._ordered:
+            return (f"the recovery manager ordered a resume from {self._ordered}; the newest usable checkpoint is "
+                    f"{chosen.chosen.path.name}: not resuming from either")
+        return chosen
+
+    def _sharded(self) -> bool:
+        """Whether any parameter is a DTensor (FSDP2, tensor parallel): each rank then holds its own shards."""
+        from torch.distributed.tensor import DTensor
+
+        return any(isinstance(p, DTensor) for p in self._model.parameters())
 
     def _fresh(self) -> int:
         """No checkpoint: step 0. When an earlier attempt had trained steps, they are trained again from the job's
         initial state, and the lineage says so."""
-        if self.rank == 0:
+        if self.rank == 0 and self._ordered != FROM_START:  # the manager's restart is in the lineage already
             previous = last_completed_step(self.run_dir, before_attempt=self.attempt)
             if previous is not None:
                 verdict = comparability_of_resume(self.layout, self.layout, self.world_size, self.world_size,

@@ -29,7 +29,22 @@ from rankwatch.recovery.decision import Action, Idempotency, MembershipSupport
 if TYPE_CHECKING:
     from rankwatch.analytics.replay import ReplayCheck
 
-__all__ = ["FakeLauncher", "Job", "JobDeclaration", "JobLoader", "LaunchResult", "Launcher", "Placement"]
+__all__ = [
+    "FROM_START", "LAYOUT_ENV", "REPLAY_BASIS_ENV", "RESUME_FROM_ENV", "FakeLauncher", "Job", "JobDeclaration",
+    "JobLoader", "LaunchResult", "Launcher", "Placement",
+]
+
+# What a relaunch by the recovery manager tells the job it runs by command (`control.command`), in its environment;
+# the job's `recovery.Checkpointer` reads them.
+RESUME_FROM_ENV = "RANKWATCH_RESUME_FROM"
+"""The checkpoint id the policy chose (the Checkpointer resumes from it or refuses), or `FROM_START`."""
+FROM_START = "start"
+"""`RESUME_FROM_ENV`'s value for a restart from step 0 (the manager has recorded it in the lineage)."""
+LAYOUT_ENV = "RANKWATCH_LAYOUT"
+"""The layout the job declared to the manager (``dp=2,tp=2,pp=1``); the Checkpointer refuses a mesh that differs."""
+REPLAY_BASIS_ENV = "RANKWATCH_REPLAY_BASIS"
+"""The step from which the attempts this relaunch replaces stop being a replay reference (`control.manager.
+replay_basis`); rank 0 records it as a `replay_basis` event."""
 
 Placement = tuple[str, int, str]
 """Where one rank runs: (host, device slot on it, that device's UUID)."""
@@ -78,6 +93,12 @@ class Job(Protocol):
     def rotations(self) -> Sequence[Self]:
         """The other placements a relaunch may move the ranks to, each rank to another device of its host, nearest
         first (a fault that recurred on one device under one rank number then meets another rank number)."""
+        ...
+
+    def resized(self, world_size: int) -> Self:
+        """This config on `world_size` ranks, for a membership change the job declared (`JobDeclaration.membership`:
+        a pure data-parallel job continuing with fewer replicas, its batch or per-rank work re-planned by the job).
+        ValueError naming why when the job cannot run on that many (fixed shapes, a batch that does not divide)."""
         ...
 
     def relaunched(self, *, checkpoint: str | None, keep_faults: bool, replay_basis: int | None) -> Self:
