@@ -443,32 +443,38 @@ def _watch(args: argparse.Namespace) -> int:
 
 def _drill(args: argparse.Namespace) -> int:
     from rankwatch.canary.drills import DRILLS
+    from rankwatch.canary.drills.targets import CANARY, example_target
 
+    target = example_target(args.example) if args.example else CANARY
+    names = [n for n in DRILLS if n in target.drills]
     if args.list:
-        width = max(len(n) for n in DRILLS)
-        for name, spec in DRILLS.items():
-            print(f"{name:<{width}}  {spec.what}")
+        width = max(len(n) for n in names)
+        for name in names:
+            print(f"{name:<{width}}  {target.fault_of(name)}")
         return 0
     if args.all == bool(args.names):
-        raise ValueError(f"name drills or give --all, not both (drills: {', '.join(DRILLS)})")
-    unknown = [n for n in args.names if n not in DRILLS]
+        raise ValueError(f"name drills or give --all, not both (drills: {', '.join(names)})")
+    unknown = [n for n in args.names if n not in names]
     if unknown:
         import difflib
 
-        near = difflib.get_close_matches(unknown[0], list(DRILLS), n=1)
-        raise ValueError(f"unknown drill '{unknown[0]}'" + (f" (did you mean '{near[0]}'?)" if near else "")
+        near = difflib.get_close_matches(unknown[0], names, n=1)
+        where = f" for {target.name}" if args.example else ""
+        raise ValueError(f"unknown drill '{unknown[0]}'{where}" + (f" (did you mean '{near[0]}'?)" if near else "")
                          + "; `rankwatch drill --list` shows them")
-    return _run_drills(list(DRILLS) if args.all else list(args.names), Path(args.workdir))
+    return _run_drills(names if args.all else list(args.names), Path(args.workdir), target=target)
 
 
-def _run_drills(names: list[str], workdir: Path, *, who: str = "rankwatch drill") -> int:
+def _run_drills(names: list[str], workdir: Path, *, who: str = "rankwatch drill", target: Any = None) -> int:
     """The drills in turn, progress lines as they go, then the report table and where report.json is."""
     import time
 
     from rankwatch.canary.drills import REPORT_FILE, report_table, run_drills, write_report
+    from rankwatch.canary.drills.targets import CANARY
 
     t0 = time.monotonic()
-    reports = run_drills(names, workdir, say=lambda m: print(f"[{time.monotonic() - t0:6.1f}s] {m}", flush=True))
+    reports = run_drills(names, workdir, say=lambda m: print(f"[{time.monotonic() - t0:6.1f}s] {m}", flush=True),
+                         target=target or CANARY)
     path = write_report(workdir / REPORT_FILE, reports)
     print(report_table(reports))
     print(f"{who}: {sum(r.passed for r in reports)} of {len(reports)} passed; report in {path}")
@@ -879,13 +885,16 @@ def build_parser() -> argparse.ArgumentParser:
     li.add_argument("--json", action="store_true", help="print the entries and promises as JSON")
     _rollup_parser(sub)
     _manager_parser(sub)
-    dr = sub.add_parser("drill", help="fault drills on a live canary: inject a fault, time detection, decision and "
+    dr = sub.add_parser("drill", help="fault drills on a live canary or example job: inject a fault, time detection, decision and "
                                       "recovery through the manager service, check the result bitwise")
     dr.add_argument("names", nargs="*", metavar="NAME",
                     help="drills to run, by name (`--list` shows every one and what it does; a name may repeat: one "
                          "row each)")
     dr.add_argument("--all", action="store_true", help="every drill, in the order `--list` shows")
     dr.add_argument("--list", action="store_true", help="list every drill with what it injects, and exit")
+    dr.add_argument("--example", default=None, metavar="NAME",
+                    help="drill a job rankwatch did not write instead of the canary: ddp_gpt, fsdp2_transformer or "
+                         "fsdp_tp_2d under examples/ (or a path to one), owned by the manager by its command line")
     dr.add_argument("--workdir", type=Path, default=Path("runs/drills"),
                     help="the drills' runs, the cached reference run and report.json")
     db = sub.add_parser("dashboard", help="the incident dashboard (Streamlit) over one or more runs, on 127.0.0.1")

@@ -63,3 +63,18 @@ def test_a_partitioned_rank_and_a_device_failing_under_other_ranks_are_each_name
     assert [r["quarantined"] for r in records][-1] and "recurrence=device" in records[-1]["decisions"][0]["path"]
     shifts = [launch["device_shift"] for launch in json.loads((run / "run.json").read_text())["launches"]]
     assert shifts == [0, 0, 1, 2]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore:Comparisons with None always result in null:UserWarning")
+def test_the_kill_drill_on_a_job_rankwatch_did_not_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # examples/ddp_gpt.py owned by the manager by its own command line (control.command): the same chain, and the
+    # final state (parameters, optimizer, torch's RNG, data position) bitwise the reference run's
+    from rankwatch.canary.drills.targets import example_target
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # examples/ is found from the repository root
+    (report,) = run_drills(["sigkill"], tmp_path, say=lambda _: None, target=example_target("ddp_gpt"))
+    assert report.job == "example:ddp_gpt" and report.detected == f"fail_stop rank:{VICTIM}", report
+    assert report.recovery is not None and report.recovery.endswith(": recovered") and report.attempts == 2, report
+    assert report.resume_from is not None and report.bitwise is True and report.passed, report
+    assert json.loads((tmp_path / "reference-ddp_gpt.json").read_text())["target"] == "example:ddp_gpt"

@@ -112,7 +112,10 @@ class CommandJob:
     """None: the command as first given; else the checkpoint id a relaunch resumes from, or `FROM_START`."""
     replay_basis: int | None = None
     env: tuple[tuple[str, str], ...] = ()
-    """Extra environment of the command."""
+    """Extra environment of the command, every attempt."""
+    faults: tuple[tuple[str, str], ...] = ()
+    """Environment that injects a fault into the job (a drill's), in this launch only: a relaunch drops it unless
+    told to keep the faults (`relaunched`), as an injected fault stands for a transient one."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -235,13 +238,14 @@ class CommandJob:
         return replace(self, command=tuple(out), layout=Layout(dp=world_size), shift=0)
 
     def relaunched(self, *, checkpoint: str | None, keep_faults: bool, replay_basis: int | None) -> CommandJob:
-        """The same command resumed from `checkpoint` (None: from step 0). `keep_faults` does not apply: the command
-        is run again as given, its environment included."""
-        return replace(self, resume_from=checkpoint or FROM_START, replay_basis=replay_basis)
+        """The same command resumed from `checkpoint` (None: from step 0), its environment as given; the injected
+        `faults` only when `keep_faults`."""
+        return replace(self, resume_from=checkpoint or FROM_START, replay_basis=replay_basis,
+                       faults=self.faults if keep_faults else ())
 
     def environment(self) -> dict[str, str]:
         """What the command's environment gets beyond the manager's own (besides the launch key)."""
-        env = {RUN_DIR_ENV: str(self.run_dir), LAYOUT_ENV: str(self.layout), **dict(self.env)}
+        env = {RUN_DIR_ENV: str(self.run_dir), LAYOUT_ENV: str(self.layout), **dict(self.env), **dict(self.faults)}
         if self.resume_from is not None:
             env[RESUME_FROM_ENV] = self.resume_from
         if self.replay_basis is not None:
@@ -256,7 +260,7 @@ class CommandJob:
                 "layout": str(self.layout), "membership": str(self.membership), "command": list(self.command),
                 "cwd": str(self.cwd), "host": self.host, "devices": list(self.devices), "uuids": list(self.uuids),
                 "excluded": list(self.excluded), "shift": self.shift, "resume_from": self.resume_from,
-                "replay_basis": self.replay_basis, "env": dict(self.env),
+                "replay_basis": self.replay_basis, "env": dict(self.env), "faults": dict(self.faults),
                 "hosts": 1, "placement": {str(r): list(p) for r, p in self.placement().items()}}
 
 

@@ -341,7 +341,14 @@ class Manager:
             if cur is None or cur.done.is_set():
                 return False
             inc_attempt = message.incident.attempt
-            if inc_attempt is not None and cur.number is not None and inc_attempt < cur.number:
+            number = cur.number
+        if number is None:  # launched, its ranks not all up yet: the run file has its number already
+            try:
+                number = len(read_launches(self.run_dir, missing_ok=True)) - 1
+            except ValueError:  # a damaged run file: the attempt's number is unknown, as before its ranks were up
+                number = -1
+        with self._lock:
+            if inc_attempt is not None and number >= 0 and inc_attempt < number:
                 return False
             if message.incident.id in self._acting:  # the running attempt is the recovery from this very incident
                 return False

@@ -45,6 +45,8 @@ class DrillReport:
     bitwise: bool | None = None
     """The final fingerprints equal the reference run's (None: not compared)."""
     run_dir: str = ""
+    job: str = "canary"
+    """What was drilled: "canary", or "example:<name>" (a job the manager owns by its command line)."""
 
     @property
     def verdict(self) -> str:

@@ -3,6 +3,7 @@ is injected, and the chain is checked end to end against a fault-free reference 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -15,10 +16,9 @@ from typing import Any
 
 from rankwatch.analytics.incidents import Incident, IncidentClass, SubjectKind
 from rankwatch.base.rundir import RunDir, read_recovery_records
-from rankwatch.canary.config import config_from_run
 from rankwatch.canary.drills.report import REPORT_FILE, DrillReport, seconds_text, write_report
-from rankwatch.canary.drills.specs import DRILLS, FAULT_AFTER, STEPS, DrillSpec, Tamper, drill_config
-from rankwatch.canary.launcher import CanaryLauncher
+from rankwatch.canary.drills.specs import DRILLS, FAULT_AFTER, DrillSpec, Tamper
+from rankwatch.canary.drills.targets import CANARY, DrillTarget
 from rankwatch.control.monitor import Monitor
 from rankwatch.recovery.decision import Action
 
@@ -32,11 +32,9 @@ REFERENCE_FILE = "reference.json"
 _FP_FIELDS = ("param_hash", "optim_hash", "rng_python_hash", "rng_numpy_hash", "rng_torch_hash", "data_position")
 
 
-_LAUNCH_KW: Mapping[str, Any] = {"timeout_s": 240.0, "failure_grace_s": 60.0, "term_grace_s": 2.0}
-"""A long failure grace (and the canary's 30 s collective timeout): only the service's stop ends an attempt fast."""
 
 
-def _final_fingerprints(run_dir: Path) -> dict[str, Any]:
+def _final_fingerprints(run_dir: Path, fields: Sequence[str] = _FP_FIELDS) -> dict[str, Any]:
     """{"step": the last fingerprinted step, "ranks": {rank: {field: value}}} (the latest row of each rank)."""
     from rankwatch.analytics.queries import fingerprints
     from rankwatch.analytics.store import connect
@@ -46,33 +44,34 @@ def _final_fingerprints(run_dir: Path) -> dict[str, Any]:
         raise ValueError(f"{run_dir}: no fingerprints")
     last = int(fp["step"].max())  # type: ignore[arg-type]
     rows = fp.filter(fp["step"] == last).to_dicts()
-    return {"step": last, "ranks": {str(r["rank"]): {k: r.get(k) for k in _FP_FIELDS} for r in rows}}
+    return {"step": last, "ranks": {str(r["rank"]): {k: r.get(k) for k in fields} for r in rows}}
 
 
-def reference_fingerprints(workdir: Path, *, say: Callable[[str], None]) -> dict[str, Any]:
-    """The fault-free reference run's final fingerprints: run once per workdir (<workdir>/reference), then read
-    from <workdir>/reference.json."""
-    from rankwatch.canary.launcher import launch
-
-    cache = workdir / REFERENCE_FILE
+def reference_fingerprints(workdir: Path, *, say: Callable[[str], None], target: DrillTarget = CANARY
+                           ) -> dict[str, Any]:
+    """The fault-free reference run's final fingerprints: run once per workdir and target (<workdir>/reference for
+    the canary, reference-<example> for an example), then read from its cache (reference*.json)."""
+    tag = "" if target is CANARY else f"-{target.name.split(':', 1)[-1]}"
+    cache = workdir / REFERENCE_FILE.replace(".json", f"{tag}.json")
     if cache.is_file():
         try:
             doc: dict[str, Any] = json.loads(cache.read_text())
-            if doc.get("steps") == STEPS:
+            if doc.get("steps") == target.steps and doc.get("target", CANARY.name) == target.name:
                 return doc
         except ValueError:
             pass
-    run_dir = workdir / REFERENCE_DIR
+    run_dir = workdir / f"{REFERENCE_DIR}{tag}"
     if run_dir.exists():
         import shutil
 
         shutil.rmtree(run_dir)
-    say(f"reference: a fault-free run of the drill config ({STEPS} steps) in {run_dir}")
+    say(f"reference: a fault-free run of {target.what} ({target.steps} steps) in {run_dir}")
     t0 = time.monotonic()
-    result = launch(drill_config(run_dir), timeout_s=240.0, term_grace_s=2.0)
+    result = target.launcher()(target.job(run_dir, None), stop=threading.Event(), on_start=lambda pids: None,
+                               **target.launch_kw)
     if not result.ok:
         raise RuntimeError(f"{run_dir}: the reference run failed (exit codes {list(result.exit_codes)})")
-    doc = {"steps": STEPS, **_final_fingerprints(run_dir)}
+    doc = {"steps": target.steps, "target": target.name, **_final_fingerprints(run_dir, target.compared)}
     cache.write_text(json.dumps(doc, indent=2) + "\n")
     say(f"reference: done in {time.monotonic() - t0:.1f}s, final fingerprints at step {doc['step']}")
     return doc
@@ -172,18 +171,21 @@ def _decision_messages(monitor: Monitor) -> list[dict[str, Any]]:
 
 
 def run_drill(name: str, workdir: Path, *, say: Callable[[str], None] = print,
-              reference: Mapping[str, Any] | None = None, folder: str | None = None) -> DrillReport:
-    """Run one drill (see the module docstring) in <workdir>/<folder or name> (replaced), against the cached
-    reference run. ValueError for an unknown drill name."""
+              reference: Mapping[str, Any] | None = None, folder: str | None = None,
+              target: DrillTarget = CANARY) -> DrillReport:
+    """Run one drill (see the module docstring) on `target` in <workdir>/<folder or name> (replaced), against the
+    cached reference run. ValueError for an unknown drill name, or one the target cannot take."""
     from rankwatch.control.service import ManagerService
     from rankwatch.control.signer import write_secret
 
     spec = DRILLS.get(name)
-    if spec is None:
-        raise ValueError(f"unknown drill {name!r} (drills: {', '.join(DRILLS)})")
+    if spec is None or name not in target.drills:
+        raise ValueError(f"unknown drill {name!r} for {target.name} (drills: {', '.join(target.drills)})")
+    if name in target.unpinned:
+        spec = dataclasses.replace(spec, resume_from=None)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    ref = reference if reference is not None else reference_fingerprints(workdir, say=say)
+    ref = reference if reference is not None else reference_fingerprints(workdir, say=say, target=target)
     base = workdir / (folder or name)
     if base.exists():
         import shutil
@@ -193,7 +195,7 @@ def run_drill(name: str, workdir: Path, *, say: Callable[[str], None] = print,
     run_dir = base / "run"
     secret_file = base / "webhook.secret"
     secret = write_secret(secret_file)
-    cfg = drill_config(run_dir, spec.faults, slots_per_host=spec.slots_per_host)
+    cfg = target.job(run_dir, spec)
     clock = _Clock()
     stop = threading.Event()
     lines: list[str] = []
@@ -201,17 +203,18 @@ def run_drill(name: str, workdir: Path, *, say: Callable[[str], None] = print,
     def note(msg: str) -> None:
         lines.append(msg)
 
-    partial: dict[str, Any] = {"name": name, "fault": spec.what, "run_dir": str(run_dir)}
-    say(f"drill {name}: {spec.what}; canary {cfg.world_size} ranks, {STEPS} steps in {run_dir}")
-    with _environ(spec.env), ManagerService(run_dir, secret=secret, job=cfg, launcher=CanaryLauncher(),
-                                            load_job=config_from_run, launch_kw=_LAUNCH_KW) as svc:
+    partial: dict[str, Any] = {"name": name, "fault": target.fault_of(name), "run_dir": str(run_dir),
+                               "job": target.name}
+    say(f"drill {name}: {target.fault_of(name)}; {target.what}, {target.steps} steps in {run_dir}")
+    with _environ(spec.env), ManagerService(run_dir, secret=secret, job=cfg, launcher=target.launcher(),
+                                            load_job=target.load_job, launch_kw=target.launch_kw) as svc:
         watcher: threading.Thread | None = None
         try:
             # the monitor starts on a run that has begun recording (before, its part-file side has nothing to read)
             _wait(lambda: svc.manager.status()["job"]["state"] == "running" and RunDir(run_dir).telemetry.is_dir(),
                   90, "the job running")
             monitor = Monitor(run_dir, window=20, every=1.0, poll=0.1, webhook=f"{svc.url}/alerts",
-                              secret_file=secret_file, load_job=config_from_run, say=note, warn=note)
+                              secret_file=secret_file, load_job=target.load_job, say=note, warn=note)
             failed: list[BaseException] = []
 
             def watch() -> None:
@@ -223,7 +226,7 @@ def run_drill(name: str, workdir: Path, *, say: Callable[[str], None] = print,
 
             watcher = threading.Thread(target=watch, name="rankwatch-drill-monitor", daemon=True)
             watcher.start()
-            report = _drive(spec, svc, monitor, clock, run_dir, ref, partial, say, failed)
+            report = _drive(spec, target, svc, monitor, clock, run_dir, ref, partial, say, failed)
         except (TimeoutError, RuntimeError, ValueError) as exc:
             report = DrillReport(**partial, passed=False, reason=f"{type(exc).__name__}: {exc}")
         finally:
@@ -347,7 +350,7 @@ def _victim_step(monitor: Monitor, rank: int) -> int | None:
     return None if r is None else r.last_step
 
 
-def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: Path, ref: Mapping[str, Any],
+def _drive(spec: DrillSpec, target: DrillTarget, svc: Any, monitor: Monitor, clock: _Clock, run_dir: Path, ref: Mapping[str, Any],
            partial: dict[str, Any], say: Callable[[str], None], failed: list[BaseException]) -> DrillReport:
     manager = svc.manager
     first = spec.after if spec.signal is not None or spec.cut else FAULT_AFTER - 2
@@ -513,7 +516,7 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
             return fail(f"{len(attempts)} attempts: the job was restarted")
     if spec.env and not _save_failed(run_dir):
         return fail("the save fault never fired: no checkpoint_failed event in attempt 0")
-    final = _final_fingerprints(run_dir)
+    final = _final_fingerprints(run_dir, target.compared)
     same = final["step"] == ref["step"] and final["ranks"] == ref["ranks"]
     partial["bitwise"] = same
     if not same:
@@ -527,18 +530,21 @@ def _drive(spec: DrillSpec, svc: Any, monitor: Monitor, clock: _Clock, run_dir: 
     return DrillReport(**partial, passed=True, reason=why)
 
 
-def run_drills(names: Iterable[str], workdir: Path, *, say: Callable[[str], None] = print) -> tuple[DrillReport, ...]:
-    """Each drill in turn against one reference run; the report written to <workdir>/report.json after each."""
+def run_drills(names: Iterable[str], workdir: Path, *, say: Callable[[str], None] = print,
+               target: DrillTarget = CANARY) -> tuple[DrillReport, ...]:
+    """Each drill in turn on `target` against one reference run; the report written to <workdir>/report.json after
+    each."""
     names = list(names)
     for n in names:
-        if n not in DRILLS:
-            raise ValueError(f"unknown drill {n!r} (drills: {', '.join(DRILLS)})")
+        if n not in target.drills:
+            raise ValueError(f"unknown drill {n!r} for {target.name} (drills: {', '.join(target.drills)})")
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    ref = reference_fingerprints(workdir, say=say)
+    ref = reference_fingerprints(workdir, say=say, target=target)
     out: list[DrillReport] = []
     for i, n in enumerate(names):
         again = names[:i].count(n)  # a repeated drill keeps each run: <name>, <name>-2, ...
-        out.append(run_drill(n, workdir, say=say, reference=ref, folder=f"{n}-{again + 1}" if again else None))
+        out.append(run_drill(n, workdir, say=say, reference=ref, folder=f"{n}-{again + 1}" if again else None,
+                             target=target))
         write_report(workdir / REPORT_FILE, out)
     return tuple(out)
