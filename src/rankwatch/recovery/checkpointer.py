@@ -71,7 +71,7 @@ from rankwatch.collector.fingerprint import consistency_domain, hash_optimizer, 
 from rankwatch.collector.launcher_env import RUN_DIR_ENV, launch_env, numbered
 from rankwatch.recovery.catalog import PIECE_MISSING, PIECE_NONE, PIECE_SAVED, Versions, list_checkpoints
 from rankwatch.recovery.checkpoint import (
-    CheckpointConfig, CheckpointFault, SaveResult, Staged, commit_checkpoint, load_checkpoint, save_checkpoint, stage_checkpoint,
+    CheckpointConfig, CheckpointFault, SaveResult, Staged, commit_checkpoint, load_checkpoint, stage_checkpoint,
 )
 from rankwatch.recovery.decision import GateVerdict
 from rankwatch.recovery.determinism import pin_ddp_buckets
@@ -323,18 +323,14 @@ class Checkpointer:
         self.wait()
         pieces, data_state = self._pieces_and_data()
         extra = {"data": data_state, "saved": self._hashes(data_state), "rng_scope": self._rng_text}
-        if not self._async:
-            result = save_checkpoint(
-                self._collector, self._config, run_dir=self.run_dir, step=step, rank=self.rank, layout=self.layout,
-                group=self._group, model=self._model, optimizer=self._optimizer, data_position=-1,  # in `data`
-                versions=self._versions, lr_scheduler=self._scheduler, grad_scaler=self._scaler,
-                state_key=STATE_KEY, rank_extra=extra, pieces=pieces)
-            self.last_save = result
-            return result
         staged = stage_checkpoint(
             self._collector, step=step, rank=self.rank, layout=self.layout, model=self._model,
             optimizer=self._optimizer, data_position=-1, versions=self._versions, lr_scheduler=self._scheduler,
-            grad_scaler=self._scaler, state_key=STATE_KEY, rank_extra=extra, pieces=pieces)
+            grad_scaler=self._scaler, state_key=STATE_KEY, rank_extra=extra, pieces=pieces)  # the position: in `data`
+        if not self._async:
+            result = commit_checkpoint(self._collector, self._config, staged, run_dir=self.run_dir, group=self._group)
+            self.last_save = result
+            return result
         self._pending_out = []
         self._pending = threading.Thread(target=self._commit, args=(staged,), name=f"rankwatch-save-{step}",
                                          daemon=True)
