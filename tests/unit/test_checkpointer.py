@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,9 +17,9 @@ import torch
 from rankwatch.base.schema import GroupKind
 from rankwatch.base.topology import Layout
 from rankwatch.collector import Collector, CollectorConfig, MemorySink
-from rankwatch.recovery.catalog import MANIFEST, Manifest, Verdict, list_checkpoints
-from rankwatch.recovery.checkpointer import Checkpointer, job_layout, rng_fields
-from rankwatch.recovery.gate import Field
+from rankwatch.recovery.catalog import AGREED, DISAGREED, MANIFEST, Manifest, Verdict, list_checkpoints
+from rankwatch.recovery.checkpointer import Checkpointer, agreement_of, job_layout, rng_fields
+from rankwatch.recovery.gate import Field, RankState
 from rankwatch.recovery.lineage import lineage_path
 from rankwatch.recovery.resume import GateRefused
 
@@ -94,6 +95,48 @@ def test_resume_continues_bitwise_and_records_the_lineage(tmp_path: Path, world_
     assert again.scheduler.last_epoch == 6
     again.train(start, 10)
     assert all(torch.equal(a, b) for a, b in zip(again.params(), straight.params()))
+
+
+def _vote(rank: int, members: tuple[int, ...], **hashes: str) -> tuple[RankState, tuple[int, ...]]:
+    values = {"param": "p", "optim": "o", "rng_python": "py", "rng_numpy": "np", "rng_torch": "t"} | hashes
+    return RankState(rank=rank, step=9, data_position=-1, rng_cuda=None, **values), members
+
+
+def test_a_save_is_judged_by_the_gates_own_domains() -> None:
+    world = (0, 1, 2, 3)
+    same = [_vote(r, world) for r in world]
+    assert agreement_of(same, rng=(Field.RNG_TORCH,)) == AGREED
+    # rank 1 drew one more random number: replicated torch stream declared, so the save is not a recovery point
+    skewed = [_vote(r, world, rng_torch="t" if r != 1 else "t'") for r in world]
+    text = agreement_of(skewed, rng=(Field.RNG_TORCH,))
+    assert text.startswith(DISAGREED) and "world [0, 1, 2, 3]: disagree: ranks [1] differ in rng_torch" in text
+    assert agreement_of(skewed, rng=()) == AGREED  # a stream seeded per rank is not compared across ranks
+    # DDP replicas must hold equal parameters; sharded ranks (each its own domain) need not
+    flipped = [_vote(r, world, param="p" if r != 2 else "p'") for r in world]
+    assert "replicas:0-3 [0, 1, 2, 3]: disagree: ranks [2] differ in param" in agreement_of(flipped, rng=())
+    sharded = [_vote(r, (r,), param=f"p{r}") for r in world]
+    assert agreement_of(sharded, rng=(Field.RNG_TORCH,)) == AGREED
+    assert agreement_of([same[0], None, same[2], same[3]], rng=()) == f"{DISAGREED} no vote from ranks [1]"
+
+
+def test_a_save_the_ranks_disagreed_on_is_never_chosen_nor_pushes_out_the_last_one_they_agreed_on(
+        tmp_path: Path, world_of_one: Any) -> None:
+    job = Job(tmp_path / "run")
+    job.train(0, 3)  # step 2: agreed
+    assert list_checkpoints(tmp_path / "run", verify=True)[0].manifest.agreement == AGREED  # type: ignore[union-attr]
+    job.ckpt._judge = lambda votes: f"{DISAGREED} world [0]: disagree: ranks [0] differ in rng_torch"  # type: ignore[method-assign]
+    job.train(3, 15)  # steps 5, 8, 11, 14: disagreed; keep_last=3 keeps 14, 11, 8, and the agreed step 2
+    found = {c.path.name: c for c in list_checkpoints(tmp_path / "run", verify=True)}
+    assert sorted(found) == ["step-00000002", "step-00000008", "step-00000011", "step-00000014"]
+    assert found["step-00000014"].verdict is Verdict.INCOMPLETE
+    assert found["step-00000014"].reason == ("the ranks disagreed when it was saved (world [0]: disagree: ranks [0] "
+                                             "differ in rng_torch): not a recovery point")
+    assert found["step-00000002"].verdict is Verdict.COMMITTED
+    assert Job(tmp_path / "run", attempt=1).ckpt.resume() == 3
+    manifest = found["step-00000014"].manifest
+    assert manifest is not None and Manifest.from_json(manifest.to_json()) == manifest
+    with pytest.raises(ValueError, match="manifest agreement 'maybe'"):
+        replace(manifest, agreement="maybe")
 
 
 def test_a_fresh_run_starts_at_step_zero(tmp_path: Path, world_of_one: Any) -> None:

@@ -160,6 +160,62 @@ def test_agreement_and_single_member_domains_give_nothing() -> None:
     assert detect_divergence(Frames.build(topology=topo, fingerprints=fp)) == ()
 
 
+def _sharded(change: dict[tuple[int, str], int] | None = None, *, per_rank: tuple[str, ...] = (),
+             world: int = 4) -> pl.DataFrame:
+    """Fully sharded state (FSDP2 over the world): each rank its own domain, its own parameter and optimizer hashes;
+    its RNG stream and data position as the job seeds them (alike, or per rank for the fields in `per_rank`)."""
+    change = change or {}
+    rows = []
+    for r in range(world):
+        for s in FP_STEPS:
+            def v(field: str, base: str) -> str:
+                since = change.get((r, field))
+                own = f"{base}-r{r}" if field in per_rank else base
+                return f"{own}-bad" if since is not None and s >= since else own
+            rows.append({
+                "rank": r, "step": s, "wall_ns": s * S + r, "domain": f"replicas:{r}", "domain_ranks": [r],
+                "param_hash": f"p{r}-{s}", "optim_hash": f"o{r}-{s}", "rng_python_hash": v("rng_python", f"py{s}"),
+                "rng_numpy_hash": f"np{s}", "rng_torch_hash": v("rng_torch", f"t{s}"), "rng_cuda_hash": None,
+                "data_position": s * 32 + (1000 * r if "data_position" in per_rank else 0)
+                + (7 if (r, "data_position") in change and s >= change[(r, "data_position")] else 0),
+            })
+    return pl.DataFrame(rows)
+
+
+def test_ranks_that_replicate_nothing_still_share_a_trajectory_and_its_departure_is_blamed() -> None:
+    # found on FSDP2 (issue 31): an extra random draw on one rank was not seen, each rank being a domain of its own
+    topo, _ = _layout(dp=4, pp=1)
+    (inc,) = detect_divergence(Frames.build(topology=topo, fingerprints=_sharded({(1, "rng_torch"): 30})))
+    assert (inc.klass, inc.subject.kind, inc.subject.id, inc.ranks) == (IncidentClass.DIVERGENCE, SubjectKind.RANK,
+                                                                         "1", (1,))
+    assert inc.cause is Cause.RNG_MISMATCH and inc.onset_step == 30 and inc.fields == ("rng_torch",)
+    (inc,) = detect_divergence(Frames.build(topology=topo, fingerprints=_sharded({(2, "data_position"): 20})))
+    assert (inc.subject.id, inc.cause, inc.onset_step) == ("2", Cause.DATA_POSITION_MISMATCH, 20)
+    # sharded parameters differ by design: never compared; nothing else moved
+    assert detect_divergence(Frames.build(topology=topo, fingerprints=_sharded())) == ()
+    assert detect_corruption(Frames.build(topology=topo, fingerprints=_sharded())) == ()
+
+
+def test_a_trajectory_seeded_per_rank_or_split_by_pipeline_stage_is_not_a_divergence() -> None:
+    topo, _ = _layout(dp=4, pp=1)
+    per_rank = _sharded(per_rank=("rng_python", "data_position"))
+    assert detect_divergence(Frames.build(topology=topo, fingerprints=per_rank)) == ()
+    notes = per_rank_notes(per_rank_streams(Frames.build(topology=topo, fingerprints=per_rank)))
+    assert [n.split(" ", 1)[0] for n in notes] == ["rng_python", "data_position"] and "trajectory:0-3" in notes[0]
+    # a per-rank stream whose partition changes (two ranks that differed now agree) still departs
+    moved = per_rank.with_columns(pl.when((pl.col("rank") == 3) & (pl.col("step") >= 40))
+                                  .then(pl.col("rng_python_hash").str.replace("-r3", "-r2"))
+                                  .otherwise(pl.col("rng_python_hash")).alias("rng_python_hash"))
+    (inc,) = detect_divergence(Frames.build(topology=topo, fingerprints=moved))
+    assert inc.onset_step == 40 and set(inc.ranks) >= {2, 3}
+    # pipeline stages run different code and need not draw alike: one trajectory per stage
+    topo, _ = _layout(dp=1, pp=4)
+    assert detect_divergence(Frames.build(topology=topo, fingerprints=_sharded({(1, "rng_torch"): 30}))) == ()
+    topo, _ = _layout(dp=2, pp=2)
+    (inc,) = detect_divergence(Frames.build(topology=topo, fingerprints=_sharded({(1, "rng_torch"): 30})))
+    assert (inc.subject.kind, inc.ranks) == (SubjectKind.DOMAIN, (0, 1))  # two in its stage: nobody blamed
+
+
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="min_majority_members"):
         DivergenceConfig(min_majority_members=2)
@@ -208,7 +264,7 @@ def test_per_rank_seeding_from_the_first_fingerprint_is_not_divergence() -> None
     assert per_rank_streams(frames) == (PerRankStream(domain="dp.pp0.tp0", attempt=0, field="rng_torch",
                                                       baseline_step=0, members=4, classes=4),)
     (note,) = per_rank_notes(per_rank_streams(frames))
-    assert note.startswith("rng_torch differs across the replicas of domain dp.pp0.tp0 from the first fingerprint")
+    assert note.startswith("rng_torch differs across the ranks of domain dp.pp0.tp0 from the first fingerprint")
     # two replicas seeded apart: nothing to blame, nothing diverged
     topo, domains = _layout(dp=2, pp=2)
     frames = Frames.build(topology=topo, fingerprints=_seeded_apart(_fingerprints(domains)))

@@ -425,6 +425,27 @@ def test_liveness_ids_are_distinct_from_the_part_file_detectors_and_same_fault_l
     assert same_fault(live_hang, hang) and not same_fault(live_hang, replace(hang, onset_step=40, id=""))
 
 
+def test_a_part_file_fail_stop_about_a_rank_still_beating_or_a_replaced_attempt_is_contradicted() -> None:
+    # found under load (issue 31): the relaunch's rank 1 flushed nothing for 6 s while its peers did, and the part-file
+    # reading named it "vanished" by silence while its liveness record said it was training
+    view = classify([rec(r, at=20.0, attempt=1) for r in range(WORLD)], [], now(20.2))
+    silent = Incident(klass=IncidentClass.FAIL_STOP, subject=Subject(kind=SubjectKind.RANK, id="1"), ranks=(1,),
+                      onset_step=10, detection_step=10, confidence=0.7, cause=Cause.VANISHED, summary="", attempt=1)
+    assert "rank 1 is running in attempt 1" in (view.contradicts(silent) or "")
+    assert "ranks [0, 1, 2, 3] are running" in (view.contradicts(
+        replace(silent, subject=Subject(kind=SubjectKind.JOB, id="job"), ranks=(0, 1, 2, 3), id="")) or "")
+    assert "attempt 0, which attempt 1 replaced" in (view.contradicts(replace(silent, attempt=0, id="")) or "")
+    assert view.contradicts(replace(silent, klass=IncidentClass.HANG, id="")) is not None
+    # what liveness cannot speak to, or does not contradict
+    assert view.contradicts(replace(silent, klass=IncidentClass.STRAGGLER, id="")) is None
+    assert view.contradicts(replace(silent, attempt=2, id="")) is None
+    gone = classify([rec(r, at=20.0, attempt=1) for r in (0, 2, 3)] + [rec(1, at=15.0, attempt=1)], [], now(20.2))
+    assert gone.rank(1).state is RankState.LOST and gone.contradicts(silent) is None  # type: ignore[union-attr]
+    stuck = classify([rec(r, at=20.0, progress=10.0, attempt=1) for r in range(WORLD)], [], now(20.2))
+    assert stuck.contradicts(replace(silent, klass=IncidentClass.HANG, id="")) is None
+    assert classify([], [], now(1.0)).contradicts(silent) is None  # a run without liveness records
+
+
 def test_docs_list_every_liveness_field() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "liveness.md").read_text()
     for name in [*LiveField, *ExitField, *LiveState]:

@@ -157,3 +157,20 @@ def test_families_are_localized_separately_and_non_blaming_subjects_ignored() ->
     assert by_class[IncidentClass.IMBALANCE].occurrences == 0
     assert by_class[IncidentClass.IMBALANCE].follows is FollowsKind.INCONCLUSIVE
     assert localize([]) == ()
+
+
+def test_a_rank_failing_again_without_device_ids_on_one_host_is_not_blamed_on_the_host() -> None:
+    # found live (issue 31): CPU ranks have no device UUID, and the same rank of a one-host job failing in two attempts
+    # raised IndexError and would have quarantined the only host ("different devices and ranks on the same host")
+    one_host = pl.DataFrame({"rank": [0, 1, 2, 3], "device_uuid": [None] * 4, "host": ["vm"] * 4},
+                            schema={"rank": pl.Int64, "device_uuid": pl.String, "host": pl.String})
+    obs = [RunObservation(run=f"a{i}", attempt=i, incidents=tuple(inc), topology=one_host, groups=_groups().clear())
+           for i, inc in enumerate([[_rank(1, IncidentClass.FAIL_STOP)], [_rank(1, IncidentClass.FAIL_STOP)], []])]
+    loc = _one(obs)
+    assert loc.follows is FollowsKind.INCONCLUSIVE and loc.by_device == ()
+    assert "names no device" in loc.summary and loc.quarantine[0].kind is QuarantineKind.NONE
+    # different ranks of the one host: still not the host's, as the job ran nowhere else
+    obs = [RunObservation(run=f"b{i}", attempt=i, incidents=(_rank(r, IncidentClass.FAIL_STOP),), topology=one_host,
+                          groups=_groups().clear()) for i, r in enumerate([1, 2])]
+    loc = _one(obs)
+    assert loc.follows is FollowsKind.INCONCLUSIVE and "host vm alone" in loc.summary

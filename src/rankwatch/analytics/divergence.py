@@ -13,6 +13,14 @@ step; `detect_divergence` turns the earliest departures into incidents under the
 A disagreement only in parameter / optimizer hashes while step, RNG and data position agree is silent corruption,
 not divergence: `analytics.corruption` reports it from the same departures.
 
+The trajectory of ranks that replicate nothing: a rank whose state no other rank holds (pure FSDP2, FSDP x TP: a
+one-member domain) still shares the job's trajectory with every such rank: the same step, the same random draws
+where they are seeded alike, the same data position where they read alike. Their origin fields (RNG streams and
+data position; never parameters or optimizer state, which differ by sharding) are compared across every such rank of
+the attempt as one more domain, `trajectory:<ranks>` (`with_trajectory`), under the per-rank rule below for every one
+of those fields, data position included: whatever differs there from the baseline by design (per-rank seeding, a
+pipeline stage seeded apart, a tensor-parallel rank's own offset, a per-rank sampler) is compared by partition only.
+
 Per-rank random streams: many scripts seed each rank differently on purpose (`torch.manual_seed(seed + rank)`), so an
 RNG stream may differ across replicas from the start without anything having gone wrong. A stream whose values
 already differ at a domain's baseline fingerprint of an attempt, with no strict majority there to blame a minority,
@@ -27,7 +35,7 @@ that agreed at the baseline is compared value by value as always.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import polars as pl
 
@@ -100,6 +108,47 @@ class PerRankStream:
     """Distinct values among them (`members` when every rank seeds apart)."""
 
 
+TRAJECTORY = "trajectory:"
+"""The name prefix of the domain of ranks that replicate nothing (`with_trajectory`)."""
+_TRAJECTORY_FIELDS: tuple[str, ...] = (*RNG_FIELDS, "data_position")
+"""The fields a trajectory domain compares, each under the per-rank rule."""
+
+
+def with_trajectory(frames: Frames) -> Frames:
+    """`frames` with one more consistency domain per attempt: every rank whose own domain is itself alone, as
+    `trajectory:<ranks>` (module docstring), its parameter and optimizer hashes blanked (sharded state is not
+    compared). `frames` itself when fewer than two such ranks fingerprinted in any attempt."""
+    fp = frames.fingerprints
+    if fp.height == 0 or fp.filter(pl.col(Fingerprints.DOMAIN).str.starts_with(TRAJECTORY)).height:
+        return frames
+    alone = fp.filter(pl.col(Fingerprints.DOMAIN_RANKS).list.len() == 1).with_columns(
+        pl.col(Fingerprints.ATTEMPT).fill_null(0).cast(pl.Int32).alias("_attempt"),
+        pl.col(Fingerprints.RANK).cast(pl.Int32))
+    if alone.height == 0:
+        return frames
+    # one trajectory per pipeline stage: ranks of one stage run the same code and draw alike; stages need not
+    stage = frames.topology.select(pl.col("rank").cast(pl.Int32), pl.col("attempt").fill_null(0).cast(pl.Int32)
+                                   .alias("_attempt"), pl.col("pp").fill_null(0).alias("_pp")).unique(
+        ["rank", "_attempt"], keep="last")
+    alone = alone.join(stage, on=["rank", "_attempt"], how="left").with_columns(pl.col("_pp").fill_null(0))
+    key = ["_attempt", "_pp"]
+    members = alone.group_by(key).agg(pl.col(Fingerprints.RANK).unique().sort().alias("_members"))
+    members = members.filter(pl.col("_members").list.len() >= 2)
+    if members.height == 0:
+        return frames
+    from rankwatch.collector.fingerprint import domain_name
+
+    names = members.with_columns(pl.col("_members").map_elements(
+        lambda m: TRAJECTORY + domain_name(list(m)).split(":", 1)[1], return_dtype=pl.String).alias("_name"))
+    extra = alone.join(names, on=key, how="inner").with_columns(
+        pl.col("_name").alias(Fingerprints.DOMAIN),
+        pl.col("_members").cast(fp.schema[Fingerprints.DOMAIN_RANKS]).alias(Fingerprints.DOMAIN_RANKS),
+        pl.lit(None, dtype=fp.schema[Fingerprints.PARAM_HASH]).alias(Fingerprints.PARAM_HASH),
+        pl.lit(None, dtype=fp.schema[Fingerprints.OPTIM_HASH]).alias(Fingerprints.OPTIM_HASH),
+    ).select(fp.columns).cast(fp.schema)
+    return replace(frames, fingerprints=pl.concat([fp, extra], how="vertical"))
+
+
 def per_rank_streams(frames: Frames, *, min_majority_members: int = 3) -> tuple[PerRankStream, ...]:
     """The random streams that are per-rank by design, per (domain, attempt), sorted.
 
@@ -110,7 +159,7 @@ def per_rank_streams(frames: Frames, *, min_majority_members: int = 3) -> tuple[
     that restored another RNG state at a restart is not per-rank seeding). So each attempt, a restart that restores
     every rank's own RNG state from a checkpoint included, is judged from its own first fingerprint.
     """
-    fp = _latest_rows(frames)
+    fp = _latest_rows(with_trajectory(frames))
     if fp.height == 0:
         return ()
     base = _baselines(fp, min_majority_members)
@@ -127,14 +176,15 @@ def per_rank_notes(streams: Sequence[PerRankStream]) -> tuple[str, ...]:
     for s in streams:
         by_field.setdefault(s.field, []).append(s)
     notes = []
-    for field in RNG_FIELDS:
+    for field in _TRAJECTORY_FIELDS:
         found = by_field.get(field)
         if not found:
             continue
         domains = sorted({s.domain for s in found})
         where = f"domain {domains[0]}" if len(domains) == 1 else f"{len(domains)} domains"
-        notes.append(f"{field} differs across the replicas of {where} from the first fingerprint: per-rank seeding, "
-                     "its values not compared (a change in which replicas agree still is)")
+        why = "per-rank seeding" if field in RNG_FIELDS else "a per-rank data stream"
+        notes.append(f"{field} differs across the ranks of {where} from the first fingerprint: {why}, its values not "
+                     "compared (a change in which ranks agree still is)")
     return tuple(notes)
 
 
@@ -168,9 +218,10 @@ def _baselines(fp: pl.DataFrame, min_majority_members: int) -> pl.DataFrame:
     at = candidates.with_columns(pl.coalesce(full, pl.col(Fingerprints.STEP).min().over(key)).alias("baseline_step"))
     at = at.filter(pl.col(Fingerprints.STEP) == pl.col("baseline_step"))
     parts = []
-    for name in RNG_FIELDS:
+    for name in _TRAJECTORY_FIELDS:
         value = pl.col(HASH_COLUMNS[name]).cast(pl.String).fill_null(_NULL)
-        rows = at.with_columns(value.alias("base")).with_columns(
+        rows = at if name in RNG_FIELDS else at.filter(pl.col(Fingerprints.DOMAIN).str.starts_with(TRAJECTORY))
+        rows = rows.with_columns(value.alias("base")).with_columns(
             pl.col("base").n_unique().over(key).alias("classes"), pl.len().over([*key, "base"]).alias("count"),
         ).with_columns(pl.col("count").max().over(key).alias("top"))
         majority = (pl.col("present") >= min_majority_members) & (pl.col("top") * 2 > pl.col("present"))
@@ -375,6 +426,7 @@ def detect_divergence(frames: Frames, config: DivergenceConfig = DivergenceConfi
     load preceded the onset. A state departure with no step / RNG / data disagreement before it is divergence when
     `state_departures` calls it divergent (cause `STATE_MISMATCH`), else corruption (`analytics.corruption`).
     """
+    frames = with_trajectory(frames)
     dep = fingerprint_departures(frames, min_majority_members=config.min_majority_members)
     if dep.height == 0:
         return ()

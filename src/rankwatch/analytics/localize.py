@@ -127,7 +127,7 @@ class _Seen:
 
     @property
     def devices(self) -> frozenset[str]:
-        return frozenset(self.rank_device[r] for r in self.ranks if r in self.rank_device)
+        return frozenset(d for r in self.ranks if (d := self.rank_device.get(r)) is not None)
 
     @property
     def any(self) -> bool:
@@ -229,7 +229,7 @@ def _verdict(seen: Sequence[_Seen], occurrences: int, by_device: tuple[Occurrenc
         return {r for s in seen for r in s.ranks if s.rank_device.get(r) == device}
 
     def devices_under(rank: int) -> set[str]:
-        return {s.rank_device[rank] for s in seen if rank in s.ranks and rank in s.rank_device}
+        return {d for s in seen if rank in s.ranks and (d := s.rank_device.get(rank)) is not None}
 
     device = next((o for o in by_device if o.implicated >= 2 and len(ranks_under(o.id)) >= 2), None)
     rank = next((o for o in by_rank if o.implicated >= 2 and len(devices_under(int(o.id))) >= 2), None)
@@ -254,7 +254,19 @@ def _verdict(seen: Sequence[_Seen], occurrences: int, by_device: tuple[Occurrenc
         return _inconclusive(f"device {stuck.id} and rank {sorted(ranks_under(stuck.id))[0]} were implicated "
                              f"{stuck.implicated} times but the rank never moved off the device, so device and rank "
                              f"cannot be told apart; reshuffle ranks to tell")
+    unplaced = next((o for o in by_rank if o.implicated >= 2 and not devices_under(int(o.id))), None)
+    if unplaced:
+        return _inconclusive(f"rank {unplaced.id} was implicated {unplaced.implicated} times but the telemetry names "
+                             "no device under it, so device and rank cannot be told apart")
     host = by_host[0] if by_host and by_host[0].implicated >= 2 else None
+    if host:
+        under = {r for s in seen for r in s.ranks if s.rank_host.get(r) == host.id}
+        named = any(host.id in s.hosts and not any(s.rank_host.get(r) == host.id for r in s.ranks) for s in seen)
+        if len(under) < 2 and not named:
+            host = None  # one rank number each time, no incident of the host's own: the rank's as much as the host's
+    if host and all(s.all_hosts <= {host.id} for s in seen):
+        return _inconclusive(f"every observation ran on host {host.id} alone: a fault of the host cannot be told "
+                             "from one of the job")
     link, tied = _common_link(seen)
     if link and (host is None or link.implicated > host.implicated):
         return _follows(FollowsKind.LINK, link, "the implicated ranks differ in device and host, but their process "

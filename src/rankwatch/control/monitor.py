@@ -151,6 +151,7 @@ class Monitor:
         self.seen: list[Seen] = []
         """Every incident in the order first seen (live ones and new part-file ones)."""
         self._seen_ids: set[str] = set()
+        self._contradicted: set[str] = set()
         self.ticks = 0
         """Part-file refreshes made."""
         self._held = 0
@@ -180,6 +181,19 @@ class Monitor:
                 del self.reported[k]
         self.reported.update((k, 0) for k in now)
         return fresh
+
+    def _uncontradicted(self, incidents: Sequence[Incident], view: LivenessView) -> tuple[Incident, ...]:
+        """`incidents` less the fail-stops and hangs the liveness poll contradicts (`LivenessView.contradicts`: a rank
+        whose part files lag is not a rank gone), each said once."""
+        kept: list[Incident] = []
+        for inc in incidents:
+            why = view.contradicts(inc)
+            if why is None:
+                kept.append(inc)
+            elif inc.id not in self._contradicted:
+                self._contradicted.add(inc.id)
+                self._say(f"[parts] set aside: {inc.klass} {inc.subject}: {why}")
+        return tuple(kept)
 
     def banner(self) -> str:
         return (f"rankwatch watch: {self.run_dir}, latest {self.window} steps every {self.every:g}s, liveness every "
@@ -222,7 +236,7 @@ class Monitor:
                 analyzed = True
                 self._warnings(analysis.warnings)
                 self.window_incidents = analysis.incidents
-                fresh = self._fresh(self.window_incidents, view.incidents)
+                fresh = self._fresh(self._uncontradicted(self.window_incidents, view), view.incidents)
                 self._note("parts", fresh, time.monotonic())
                 took = sum(s for _, s in analysis.seconds)
                 steps = ("no completed step" if analysis.first_step < 0
@@ -233,7 +247,8 @@ class Monitor:
                     self._say(render_incidents(fresh, width=shutil.get_terminal_size((120, 24)).columns))
             self.ticks += 1
         if self._alerts is not None:
-            confirmed = [i for i in self.window_incidents if not any(same_fault(v, i) for v in view.incidents)]
+            confirmed = [i for i in self._uncontradicted(self.window_incidents, view)
+                         if not any(same_fault(v, i) for v in view.incidents)]
             # liveness incidents come every poll, the window's with each analysis: absence is counted in analyses
             self._alerts.tick([*view.incidents, *confirmed], topology(self.live.con), analyzed=analyzed)
 

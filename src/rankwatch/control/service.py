@@ -428,7 +428,7 @@ class Manager:
                 outcome, rid = self._act(message)
             except Exception as exc:
                 why = f"{type(exc).__name__}: {exc}"
-                log.error("decision %s failed: %s", msg_id, why)
+                log.error("decision %s failed: %s", msg_id, why, exc_info=True)
                 self.db.mark(msg_id, MessageState.FAILED, outcome=why)
                 continue
             log.info("decision %s: %s%s", msg_id, outcome, f" ({rid})" if rid else "")

@@ -29,6 +29,10 @@ DCP_METADATA = f"{DCP_DIR}/.metadata"
 PIECE_SAVED = "saved"
 PIECE_NONE = "none"
 PIECE_MISSING = "missing:"
+AGREED = "agreed"
+"""`Manifest.agreement` of a save every rank's vote agreed on."""
+DISAGREED = "disagreed:"
+"""`Manifest.agreement` prefix of a save the ranks disagreed on, then how."""
 
 _FINAL_RE = re.compile(r"^step-(\d{8})$")
 _TMP_RE = re.compile(r"^\.step-(\d{8})\.tmp$")
@@ -63,8 +67,8 @@ class Verdict(StrEnum):
     """Intact, but saved by a different layout or world size than the job asking."""
     INCOMPLETE = "incomplete"
     """Intact, but its manifest says it lacks a piece of state the job declared (no data position, a scheduler whose
-    state could not be read): never a recovery point, since resuming from it would change the trajectory
-    invisibly."""
+    state could not be read), or that the ranks disagreed when it was saved (`Manifest.agreement`): never a recovery
+    point, since resuming from it would change the trajectory invisibly (or carry the disagreement on)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,6 +131,15 @@ class Manifest:
     """The state beyond model and optimizer the job declared, each as (name, state): `PIECE_SAVED`, `PIECE_NONE` (the
     job said it has none: no scheduler, no scaler) or ``missing: <why>`` (declared but not in this checkpoint).
     Empty in manifests written before pieces were recorded (the canary's saves hold every piece)."""
+    agreement: str = ""
+    """What the ranks said of one another when it was saved (`recovery.Checkpointer`: the consistency gate's fields,
+    judged over every rank's vote in the save's own gather): `AGREED`, ``disagreed: <how>`` (`DISAGREED`), or ""
+    where the saver did not check (older manifests, the canary's own saves)."""
+
+    @property
+    def disagreed(self) -> str:
+        """How the ranks disagreed when it was saved ("" when they did not, or nobody checked)."""
+        return self.agreement.removeprefix(DISAGREED).strip() if self.agreement.startswith(DISAGREED) else ""
 
     @property
     def missing(self) -> tuple[tuple[str, str], ...]:
@@ -144,6 +157,9 @@ class Manifest:
                                  f"or {PIECE_MISSING!r} and a reason")
         if self.checkpoint_id != checkpoint_id(self.step):
             raise ValueError(f"manifest checkpoint_id {self.checkpoint_id!r} does not match step {self.step}")
+        if self.agreement not in ("", AGREED) and not self.agreement.startswith(DISAGREED):
+            raise ValueError(f"manifest agreement {self.agreement[:60]!r} is not '', {AGREED!r} or {DISAGREED!r} and "
+                             "how")
         if self.world_size != self.layout.world_size:
             raise ValueError(f"manifest world_size {self.world_size} does not match layout {self.layout}")
         paths = [f.path for f in self.files]
@@ -169,6 +185,8 @@ class Manifest:
         }
         if self.pieces:
             doc["pieces"] = dict(self.pieces)
+        if self.agreement:
+            doc["agreement"] = self.agreement
         return json.dumps(doc, indent=1)
 
     @classmethod
@@ -195,6 +213,7 @@ class Manifest:
                 ),
                 created_wall_ns=_typed(doc, "created_wall_ns", int),
                 pieces=tuple((k, _typed(pieces, k, str)) for k in pieces),
+                agreement=_typed(doc, "agreement", str) if "agreement" in doc else "",
             )
         except TypeError as exc:
             raise ValueError(str(exc)) from None
@@ -274,6 +293,9 @@ def _judge(path: Path, step: int, *, verify: bool, layout: Layout | None, world_
     if manifest.missing:
         lacks = "; ".join(f"{name} ({why})" for name, why in manifest.missing)
         return verdict(Verdict.INCOMPLETE, f"saved without {lacks}: not a recovery point", manifest)
+    if manifest.disagreed:
+        return verdict(Verdict.INCOMPLETE, f"the ranks disagreed when it was saved ({manifest.disagreed}): not a "
+                                           "recovery point", manifest)
     return verdict(Verdict.COMMITTED, "ok", manifest)
 
 

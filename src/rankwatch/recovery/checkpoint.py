@@ -34,7 +34,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -52,7 +52,7 @@ from rankwatch.base.rundir import CHECKPOINT_DIR, atomic_write, fsync_path
 from rankwatch.base.schema import CheckpointPhase, EventKind
 from rankwatch.base.topology import Layout
 from rankwatch.recovery.catalog import (
-    DCP_DIR, MANIFEST, Candidate, Manifest, ShardFile, Verdict, Versions, checkpoint_id, list_checkpoints,
+    DCP_DIR, DISAGREED, MANIFEST, Candidate, Manifest, ShardFile, Verdict, Versions, checkpoint_id, list_checkpoints,
     rank_shard_name, sha256_file,
 )
 
@@ -217,6 +217,8 @@ class _Report:
     rank: int
     error: str | None
     files: tuple[ShardFile, ...]
+    vote: Any = None
+    """The rank's `Staged.vote`, for the save's `Staged.judge`."""
 
 
 def current_versions(config: object) -> Versions:
@@ -363,6 +365,11 @@ class Staged:
     payload: bytes
     """The rank's own file (RNG states, data position, scheduler, scaler, extra), serialized."""
     pieces: tuple[tuple[str, str], ...] = ()
+    vote: Any = None
+    """What this rank says it held at the step (picklable), gathered with every rank's file report."""
+    judge: Callable[[Sequence[Any]], str] | None = None
+    """Rank 0, from every rank's `vote` in rank order: `Manifest.agreement` (`AGREED`, or `DISAGREED` and how).
+    None: not checked (the manifest says nothing)."""
 
 
 def stage_checkpoint(
@@ -501,13 +508,15 @@ def commit_checkpoint(collector: Any, config: CheckpointConfig, staged: Staged, 
     fire(SavePoint.GATHER)
     reports: list[Any] = [None] * world
     with collector.collective("all_gather_object", group):
-        dist.all_gather_object(reports, _Report(rank=rank, error=error, files=tuple(files)), group=group)
+        dist.all_gather_object(reports, _Report(rank=rank, error=error, files=tuple(files), vote=staged.vote),
+                               group=group)
 
     outcome: tuple[bool, str] | None = None
     partial = (0, 0)
     if rank == 0:
+        agreement = _agreement(collector, staged, reports)
         outcome = _publish(collector, reports, layout=layout, versions=versions, step=step, tmp=tmp, final=final,
-                           fire=fire, pieces=pieces)
+                           fire=fire, pieces=pieces, agreement=agreement)
         if not outcome[0]:
             partial = _tree_size(tmp)  # before any rank removes its files: what the failed save left
     outcomes: list[Any] = [None] * world
@@ -519,6 +528,22 @@ def commit_checkpoint(collector: Any, config: CheckpointConfig, staged: Staged, 
         return _discard(collector, ckpt=ckpt, step=step, rank=rank, reason=reason, mine=mine, tmp=tmp, partial=partial)
     pruned = _prune(collector, Path(run_dir), config.keep_last) if rank == 0 else ()
     return SaveResult(ok=True, checkpoint_id=ckpt, step=step, path=final, reason="committed", pruned=pruned)
+
+
+def _agreement(collector: Any, staged: Staged, reports: list[Any]) -> str:
+    """Rank 0: `Manifest.agreement` from every rank's vote (`Staged.judge`); "" when the save does not check. A
+    disagreement is also an event, so the live reading sees it before anything resumes from the save."""
+    if staged.judge is None:
+        return ""
+    votes = [r.vote if r is not None else None for r in reports]
+    try:
+        agreement = staged.judge(votes)
+    except Exception as exc:  # the save goes on; what could not be judged is not called agreed
+        agreement = f"{DISAGREED} the votes could not be judged: {type(exc).__name__}: {_first_line(exc)}"
+    if agreement.startswith(DISAGREED):
+        collector.event(EventKind.WARNING, step=staged.step,
+                        message=f"checkpoint {checkpoint_id(staged.step)}: the ranks {agreement}"[:1000])
+    return agreement
 
 
 def _discard(
@@ -550,7 +575,7 @@ def _discard(
 
 def _publish(
     collector: Any, reports: list[Any], *, layout: Layout, versions: Versions, step: int, tmp: Path, final: Path,
-    fire: Any, pieces: tuple[tuple[str, str], ...] = (),
+    fire: Any, pieces: tuple[tuple[str, str], ...] = (), agreement: str = "",
 ) -> tuple[bool, str]:
     """Rank 0: write the manifest and make the checkpoint visible, only if every rank reported its files."""
     ckpt = checkpoint_id(step)
@@ -565,7 +590,7 @@ def _publish(
             manifest = Manifest(
                 checkpoint_id=ckpt, step=step, world_size=layout.world_size, layout=layout, versions=versions,
                 files=tuple(sorted((f for r in reports for f in r.files), key=lambda f: f.path)),
-                created_wall_ns=time.time_ns(), pieces=pieces,
+                created_wall_ns=time.time_ns(), pieces=pieces, agreement=agreement,
             )
             data = manifest.to_json().encode()
             rec.bytes = len(data)
@@ -585,12 +610,20 @@ def _publish(
 
 
 def _prune(collector: Any, run_dir: Path, keep_last: int) -> tuple[str, ...]:
-    """Delete committed checkpoints beyond the newest `keep_last`; partial and corrupt ones stay as evidence."""
+    """Delete committed checkpoints beyond the newest `keep_last`, except the newest recovery point (COMMITTED:
+    complete, and no disagreement among the ranks when saved) when none of those is one: saves the ranks disagreed
+    on must not push out the last one they agreed on. Partial and corrupt ones stay as evidence."""
     # finished saves: committed ones, and incomplete ones (intact, never recovery points, pruned alike)
     committed = [c for c in list_checkpoints(run_dir, verify=False)
                  if c.verdict in (Verdict.COMMITTED, Verdict.INCOMPLETE)]
+    kept = committed[:keep_last]
+    if not any(c.verdict is Verdict.COMMITTED for c in kept):
+        kept += [c for c in committed[keep_last:] if c.verdict is Verdict.COMMITTED][:1]
     pruned: list[str] = []
-    for c in committed[keep_last:]:
+    keep = {c.path for c in kept}
+    for c in committed:
+        if c.path in keep:
+            continue
         doomed = c.path.with_name(f".{c.path.name}.deleting")  # not a candidate name: a crash mid-delete is no "partial"
         try:
             os.rename(c.path, doomed)

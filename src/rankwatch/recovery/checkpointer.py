@@ -57,6 +57,7 @@ import json
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
@@ -67,20 +68,25 @@ import torch.distributed as dist
 import rankwatch
 from rankwatch.base.schema import EventKind, GroupKind
 from rankwatch.base.topology import Layout, group_kind
-from rankwatch.collector.fingerprint import consistency_domain, hash_optimizer, hash_tensors, rng_hashes
+from rankwatch.collector.fingerprint import (
+    consistency_domain, domain_name, hash_optimizer, hash_tensors, rng_hashes,
+)
 from rankwatch.collector.launcher_env import RUN_DIR_ENV, launch_env, numbered
-from rankwatch.recovery.catalog import PIECE_MISSING, PIECE_NONE, PIECE_SAVED, Versions, list_checkpoints
+from rankwatch.recovery.catalog import (
+    AGREED, DISAGREED, PIECE_MISSING, PIECE_NONE, PIECE_SAVED, Versions, list_checkpoints,
+)
 from rankwatch.recovery.checkpoint import (
     CheckpointConfig, CheckpointFault, SaveResult, Staged, commit_checkpoint, load_checkpoint, stage_checkpoint,
 )
 from rankwatch.recovery.decision import GateVerdict
 from rankwatch.recovery.determinism import pin_ddp_buckets
-from rankwatch.recovery.gate import Domain, Field, GateOutcome, RankState, run_gate
+from rankwatch.recovery.gate import Domain, Field, GateOutcome, RankState, judge, run_gate
 from rankwatch.recovery.job import FROM_START, LAYOUT_ENV, REPLAY_BASIS_ENV, RESUME_FROM_ENV
 from rankwatch.recovery.lineage import comparability_of_resume
 from rankwatch.recovery.resume import FROM_INITIALIZATION, GateRefused, last_completed_step, plan, record_resume
 
-__all__ = ["STATE_KEY", "Checkpointer", "RngScope", "Stateful", "job_layout", "job_versions"]
+__all__ = ["STATE_KEY", "Checkpointer", "RngScope", "Stateful", "agreement_of", "gate_domains", "job_layout",
+           "job_versions"]
 
 STATE_KEY = "state"
 """The DCP key of model and optimizer, the same on every rank."""
@@ -198,6 +204,36 @@ def _hash_data(state: Any) -> str:
     walk("", state)
     digest, _ = hash_tensors(tensors)
     return hashlib.sha256((digest + "\n".join(rest)).encode()).hexdigest()[:16]
+
+
+def gate_domains(members: Sequence[Sequence[int]], *, world_size: int, rng: Sequence[Field]) -> list[Domain]:
+    """The gate's domains from each rank's consistency-domain members (`consistency_domain`, in rank order): the
+    world on the step and the RNG streams declared replicated (`rng`); each domain of two or more ranks on
+    parameters and optimizer state."""
+    domains = [Domain(name="world", ranks=tuple(range(world_size)), fields=(Field.STEP, *rng))]
+    seen: set[tuple[int, ...]] = set()
+    for ranks in members:
+        if len(ranks) > 1 and tuple(ranks) not in seen:
+            seen.add(tuple(ranks))
+            domains.append(Domain(name=domain_name(ranks), ranks=tuple(ranks), fields=(Field.PARAM, Field.OPTIM)))
+    return domains
+
+
+def agreement_of(votes: Sequence[tuple[RankState, Sequence[int]] | None], *, rng: Sequence[Field]) -> str:
+    """`Manifest.agreement` of a save from every rank's vote (rank order: what it held, hashed as the gate hashes it,
+    and its consistency domain's members; None from a rank that sent none): the resume gate's domains and fields
+    (`gate_domains`) judged at the save, so a save the ranks disagreed on is never a recovery point (the gate would
+    refuse it at the resume anyway) and retention keeps the last one they agreed on. Pure."""
+    missing = [r for r, v in enumerate(votes) if v is None]
+    if missing:
+        return f"{DISAGREED} no vote from ranks {missing}"
+    present = [v for v in votes if v is not None]
+    outcomes = [judge(d, [v[0] for v in present])
+                for d in gate_domains([v[1] for v in present], world_size=len(votes), rng=rng)]
+    bad = [o for o in outcomes if o.verdict is not GateVerdict.AGREE]
+    if not bad:
+        return AGREED
+    return f"{DISAGREED} " + "; ".join(o.message().removeprefix("consistency gate ") for o in bad)[:800]
 
 
 class Checkpointer:
@@ -327,6 +363,7 @@ class Checkpointer:
             self._collector, step=step, rank=self.rank, layout=self.layout, model=self._model,
             optimizer=self._optimizer, data_position=-1, versions=self._versions, lr_scheduler=self._scheduler,
             grad_scaler=self._scaler, state_key=STATE_KEY, rank_extra=extra, pieces=pieces)  # the position: in `data`
+        staged = replace(staged, vote=self._vote(step, extra["saved"]), judge=self._judge)
         if not self._async:
             result = commit_checkpoint(self._collector, self._config, staged, run_dir=self.run_dir, group=self._group)
             self.last_save = result
@@ -336,6 +373,22 @@ class Checkpointer:
                                          daemon=True)
         self._pending.start()
         return None
+
+    def _vote(self, step: int, saved: Mapping[str, str | None]) -> tuple[RankState, tuple[int, ...]]:
+        """This rank's word at a save of `step`: what it holds, hashed as the gate hashes it, and its consistency
+        domain's members."""
+        _, members = consistency_domain(self._model, self.rank, self.world_size)
+        state = RankState(rank=self.rank, step=step, data_position=-1, param=str(saved["param"]),
+                          optim=str(saved["optim"]), rng_python=str(saved["rng_python"]),
+                          rng_numpy=str(saved["rng_numpy"]), rng_torch=str(saved["rng_torch"]),
+                          rng_cuda=saved["rng_cuda"])
+        return state, tuple(members)
+
+    def _judge(self, votes: Sequence[Any]) -> str:
+        return agreement_of(votes, rng=self._rng_fields)
+
+    def _domains(self, members: Sequence[Sequence[int]]) -> list[Domain]:
+        return gate_domains(members, world_size=self.world_size, rng=self._rng_fields)
 
     def _commit(self, staged: Staged) -> None:
         try:
@@ -486,13 +539,7 @@ class Checkpointer:
             text = "; ".join(f"rank {r}: {p}" for r, p in bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else "")
             self._collector.event(EventKind.RECOVERY, message=f"consistency gate: restore check failed: {text}"[:1000])
             raise GateRefused(f"refusing to train: restore check failed: {text}"[:500])
-        world_fields = (Field.STEP,) + self._rng_fields
-        domains = [Domain(name="world", ranks=tuple(range(self.world_size)), fields=world_fields)]
-        seen: set[tuple[int, ...]] = set()
-        for _, dname, dranks in reports:
-            if len(dranks) > 1 and tuple(dranks) not in seen:
-                seen.add(tuple(dranks))
-                domains.append(Domain(name=dname, ranks=tuple(dranks), fields=(Field.PARAM, Field.OPTIM)))
+        domains = self._domains([dranks for _, _, dranks in reports])
         state = RankState(rank=self.rank, step=step, data_position=-1, param=str(now["param"]),
                           optim=str(now["optim"]), rng_python=str(now["rng_python"]),
                           rng_numpy=str(now["rng_numpy"]), rng_torch=str(now["rng_torch"]), rng_cuda=now["rng_cuda"])

@@ -153,6 +153,25 @@ class LivenessView:
         """Every rank of the attempt finished cleanly."""
         return bool(self.ranks) and all(r.state is RankState.FINISHED for r in self.ranks)
 
+    def contradicts(self, incident: Incident) -> str | None:
+        """Why this poll contradicts a fail-stop or hang read from the part files (None: it does not). The part
+        files of a live run lag each rank's own flush (seconds; more on a loaded host, and not alike on every rank), so
+        a rank whose rows stopped arriving may still be beating: the liveness record, rewritten twice per heartbeat
+        from a thread of its own, is the fresher word on whether it is alive. Contradicted: an incident about an
+        attempt this poll's attempt replaced, or one whose ranks are all RUNNING here (beating and completing steps
+        within their allowance). Other classes are never contradicted: liveness says nothing of speed or values."""
+        if incident.klass not in (IncidentClass.FAIL_STOP, IncidentClass.HANG) or self.attempt is None:
+            return None
+        if incident.attempt is not None and incident.attempt < self.attempt:
+            return f"it is about attempt {incident.attempt}, which attempt {self.attempt} replaced"
+        if incident.attempt is not None and incident.attempt > self.attempt:
+            return None
+        views = [self.rank(r) for r in incident.ranks]
+        if incident.ranks and all(v is not None and v.state is RankState.RUNNING for v in views):
+            who = f"rank {incident.ranks[0]} is" if len(incident.ranks) == 1 else f"ranks {list(incident.ranks)} are"
+            return f"{who} running in attempt {self.attempt} by their liveness records"
+        return None
+
     def line(self) -> str:
         """One line: the attempt and how many ranks are in each state."""
         if self.attempt is None:
