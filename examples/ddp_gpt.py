@@ -141,6 +141,7 @@ def main() -> None:
     gpt = GPT(args.vocab, args.d_model, args.n_head, args.n_layer, args.seq_len, args.dropout).to(device)
     model = DDP(gpt, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    faults.watch(optimizer)
     data = TokenStream(args, rank, device)
 
     numerics = {k: v for k, v in vars(args).items()

@@ -135,6 +135,7 @@ def main() -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    faults.watch(optimizer)
     data = TokenStream(args, rank, device)
 
     numerics = {k: v for k, v in vars(args).items()

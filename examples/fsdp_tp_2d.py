@@ -151,6 +151,7 @@ def main() -> None:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    faults.watch(optimizer)
     data = TokenStream(args, mesh["dp"].get_local_rank(), device)
 
     numerics = {k: v for k, v in vars(args).items()

@@ -25,7 +25,7 @@ _LAUNCHES = itertools.count()
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 WORLD = 4
 FAULT_VARS = ("FAULT_SLEEP_RANK", "FAULT_SLEEP_MS", "FAULT_RAISE_RANK", "FAULT_RAISE_STEP", "FAULT_RNG_SKEW_RANK",
-              "FAULT_RNG_SKEW_STEP")
+              "FAULT_RNG_SKEW_STEP", "FAULT_BITFLIP_RANK", "FAULT_BITFLIP_STEP", "FAULT_DEVICE", "FAULT_DEVICE_STEP")
 
 
 @dataclass

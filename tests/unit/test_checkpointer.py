@@ -97,9 +97,9 @@ def test_resume_continues_bitwise_and_records_the_lineage(tmp_path: Path, world_
     assert all(torch.equal(a, b) for a, b in zip(again.params(), straight.params()))
 
 
-def _vote(rank: int, members: tuple[int, ...], **hashes: str) -> tuple[RankState, tuple[int, ...]]:
+def _vote(rank: int, members: tuple[int, ...], nonfinite: tuple[int, int] = (0, 0), **hashes: str) -> Any:
     values = {"param": "p", "optim": "o", "rng_python": "py", "rng_numpy": "np", "rng_torch": "t"} | hashes
-    return RankState(rank=rank, step=9, data_position=-1, rng_cuda=None, **values), members
+    return RankState(rank=rank, step=9, data_position=-1, rng_cuda=None, **values), members, nonfinite
 
 
 def test_a_save_is_judged_by_the_gates_own_domains() -> None:
@@ -116,6 +116,11 @@ def test_a_save_is_judged_by_the_gates_own_domains() -> None:
     assert "replicas:0-3 [0, 1, 2, 3]: disagree: ranks [2] differ in param" in agreement_of(flipped, rng=())
     sharded = [_vote(r, (r,), param=f"p{r}") for r in world]
     assert agreement_of(sharded, rng=(Field.RNG_TORCH,)) == AGREED
+    # a shard holding an inf (Adam's second moment overflowed): nobody holds a copy to disagree, yet never a
+    # recovery point
+    sharded[1] = _vote(1, (1,), nonfinite=(0, 1), param="p1")
+    assert agreement_of(sharded, rng=()) == (f"{DISAGREED} rank 1 holds non-finite values (0 in its parameters, 1 in "
+                                              "its optimizer state)")
     assert agreement_of([same[0], None, same[2], same[3]], rng=()) == f"{DISAGREED} no vote from ranks [1]"
 
 
@@ -137,6 +142,25 @@ def test_a_save_the_ranks_disagreed_on_is_never_chosen_nor_pushes_out_the_last_o
     assert manifest is not None and Manifest.from_json(manifest.to_json()) == manifest
     with pytest.raises(ValueError, match="manifest agreement 'maybe'"):
         replace(manifest, agreement="maybe")
+
+
+def test_a_resume_under_other_determinism_inputs_is_changed_with_what_changed(tmp_path: Path,
+                                                                              world_of_one: Any) -> None:
+    threads = torch.get_num_threads()
+    Job(tmp_path / "run").train(0, 4)  # saves step 2 under this process's inputs
+    manifest = list_checkpoints(tmp_path / "run", verify=True)[0].manifest
+    assert manifest is not None and json.loads(manifest.determinism)["torch_threads"] == threads
+    assert Job(tmp_path / "run", attempt=1).ckpt.resume() == 3  # the same inputs: bitwise identical expected
+    torch.set_num_threads(threads + 1)  # the thread count is part of the numerics
+    try:
+        assert Job(tmp_path / "run", attempt=2).ckpt.resume() == 3
+    finally:
+        torch.set_num_threads(threads)
+    entries = [json.loads(line) for line in lineage_path(tmp_path / "run").read_text().splitlines()]
+    verdicts = [e["verdict"] for e in entries if e["kind"] in ("rollback", "restart")]
+    assert verdicts[0]["comparability"] == "bitwise_identical_expected", verdicts
+    assert verdicts[-1]["comparability"] == "changed" and "determinism_inputs" in verdicts[-1]["reasons"]
+    assert f"torch_threads {threads}->{threads + 1}" in verdicts[-1]["note"]
 
 
 def test_a_fresh_run_starts_at_step_zero(tmp_path: Path, world_of_one: Any) -> None:

@@ -186,6 +186,38 @@ def test_non_finite_everywhere_at_once_blames_nobody() -> None:
     assert (inc.subject.kind, inc.cause) == (SubjectKind.JOB, Cause.NON_FINITE)
 
 
+def _sharded_fingerprints(ranks: int = 4) -> pl.DataFrame:
+    """Fully sharded state (FSDP2): each rank its own domain, fingerprinted every 10 steps, nothing to compare."""
+    return pl.DataFrame([{
+        "rank": r, "step": s, "wall_ns": s * S + r, "domain": f"replicas:{r}", "domain_ranks": [r],
+        "param_hash": f"p{r}-{s}", "optim_hash": f"o{r}-{s}", "rng_python_hash": "py", "rng_numpy_hash": "np",
+        "rng_torch_hash": f"t{s}", "rng_cuda_hash": None, "data_position": s, "param_count": 10,
+    } for r in range(ranks) for s in range(0, 60, 10)])
+
+
+def _nonfinite(*at: tuple[int, int]) -> pl.DataFrame:
+    return pl.DataFrame([{"rank": r, "attempt": 0, "wall_ns": s * S + r, "kind": "nonfinite", "step": s,
+                          "message": "0 non-finite value(s) in its parameters, 1 in its optimizer state"}
+                         for r, s in at])
+
+
+def test_non_finite_state_a_rank_holds_alone_is_blamed_on_it() -> None:
+    # an exponent bit flipped in rank 1's gradient shard at step 23: Adam's second moment infinite there, found by
+    # its fingerprint at step 30 and every fingerprint after; no other rank holds the shard to disagree with
+    topo = _topology(4)
+    fp = _sharded_fingerprints()
+    events = _nonfinite((1, 30), (1, 40), (1, 50))
+    (inc,) = detect_corruption(Frames.build(topology=topo, fingerprints=fp, events=events))
+    assert (inc.subject.kind, inc.subject.id, inc.ranks, inc.cause) == (SubjectKind.RANK, "1", (1,), Cause.NON_FINITE)
+    assert (inc.onset_step, inc.detection_step, inc.last_good_step) == (21, 30, 20)
+    assert inc.evidence[0].source == "events" and "1 in its optimizer state" in str(inc.evidence[0].rows[0])
+    # every rank at once (a non-finite gradient all-reduced to every replica): nobody is blamed
+    (inc,) = detect_corruption(Frames.build(topology=topo, fingerprints=fp,
+                                            events=_nonfinite(*((r, 40) for r in range(4)))))
+    assert (inc.subject.kind, inc.ranks, inc.last_good_step) == (SubjectKind.JOB, (0, 1, 2, 3), 30)
+    assert detect_corruption(Frames.build(topology=topo, fingerprints=fp)) == ()
+
+
 @pytest.mark.parametrize("gpu", [
     _gpu(dbe={(5, 69): 1}),
     _gpu(xid={(5, 70): [79]}),

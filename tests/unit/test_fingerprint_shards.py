@@ -87,6 +87,28 @@ def test_fsdp2_parameters_and_adamw_state_hash_from_their_local_shards(mesh: Dev
     assert fingerprint(model, opt).optim_hash != moved.optim_hash
 
 
+def test_non_finite_values_a_rank_holds_are_counted_and_told_as_an_event(mesh: DeviceMesh, tmp_path: Path) -> None:
+    from rankwatch.base.schema import EventKind, Table
+    from rankwatch.collector import Collector, CollectorConfig, MemorySink
+
+    model, opt = _trained_fsdp2(mesh)
+    fp = fingerprint(model, opt)
+    assert (fp.nonfinite_params, fp.nonfinite_optim) == (0, 0)
+    with torch.no_grad():  # a flipped exponent bit: Adam's second moment overflowed in one element of a shard
+        opt.state[model[0].bias]["exp_avg_sq"].to_local()[5] = float("inf")
+        model[2].weight.to_local()[0, 0] = float("nan")
+    fp = fingerprint(model, opt)
+    assert (fp.nonfinite_params, fp.nonfinite_optim) == (1, 1)
+    sink = MemorySink()
+    c = Collector(CollectorConfig(run_dir=tmp_path, handle_sigterm=False, liveness=False), rank=0, world_size=1,
+                  sink=sink)
+    assert c.maybe_fingerprint(30, model, opt, force=True)
+    events = [r for r in sink.rows(Table.EVENTS) if EventKind.NONFINITE in r]
+    assert len(events) == 1 and 30 in events[0]
+    assert any("1 non-finite value(s) in its parameters, 1 in its optimizer state" in str(v) for v in events[0])
+    c.close()
+
+
 def test_tensor_parallel_and_distributed_parameters_hash_from_their_local_shards(mesh: DeviceMesh) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))

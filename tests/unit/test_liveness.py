@@ -436,6 +436,15 @@ def test_a_part_file_fail_stop_about_a_rank_still_beating_or_a_replaced_attempt_
         replace(silent, subject=Subject(kind=SubjectKind.JOB, id="job"), ranks=(0, 1, 2, 3), id="")) or "")
     assert "attempt 0, which attempt 1 replaced" in (view.contradicts(replace(silent, attempt=0, id="")) or "")
     assert view.contradicts(replace(silent, klass=IncidentClass.HANG, id="")) is not None
+    # found at a relaunch's end (issue 31): its peers closed and flushed at once, rank 1 was still closing, its rows
+    # a periodic flush old: read as gone by silence
+    closing = classify([rec(r, at=20.0, attempt=1, state=LiveState.EXITED, exit_code=0) for r in (0, 2, 3)]
+                       + [rec(1, at=20.0, attempt=1, state=LiveState.EXITING, exit_code=0)], [], now(20.2))
+    assert closing.rank(1).state is RankState.FINISHED  # type: ignore[union-attr]
+    assert "rank 1 is finished in attempt 1" in (closing.contradicts(silent) or "")
+    failed = classify([rec(r, at=20.0, attempt=1) for r in (0, 2, 3)]
+                      + [rec(1, at=20.0, attempt=1, state=LiveState.EXITING, exit_code=1)], [], now(20.2))
+    assert failed.contradicts(silent) is None  # a rank closing on an error is not contradicted
     # what liveness cannot speak to, or does not contradict
     assert view.contradicts(replace(silent, klass=IncidentClass.STRAGGLER, id="")) is None
     assert view.contradicts(replace(silent, attempt=2, id="")) is None

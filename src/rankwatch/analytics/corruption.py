@@ -1,12 +1,15 @@
 """Silent corruption: wrong values without an error.
 
-Four traces, each a pure function of the frames:
+Five traces, each a pure function of the frames:
 
 - value mismatch: parameter / optimizer hashes disagree inside a consistency domain while step, RNG and data
   position agree, in a way one device's wrong value explains (`VALUE_MISMATCH`; majority rule as in
   `analytics.divergence`, which reports the other cases: `divergence.state_departures`);
 - non-finite values: the rank(s) whose loss or local gradient norm is non-finite at the FIRST step any rank's is
   (`NON_FINITE`; one step later the all-reduce has spread it to everyone);
+- non-finite state: the rank(s) whose own fingerprint first found NaN or inf in the parameters or optimizer state
+  they hold (`EventKind.NONFINITE`, `NON_FINITE`): where the state is sharded (FSDP2) no rank holds a copy to
+  disagree with, and an exponent bit flipped in a gradient leaves Adam's second moment infinite on that rank alone;
 - outliers of the local, pre-all-reduce gradient norm (`GRAD_NORM_OUTLIER`): after the all-reduce replicas agree
   again, so this is the only trace a corrupted local computation leaves. Each rank's norm is compared with what
   the same step predicts for it (its shard's peers in the other replicas, corrected by how its own replica's other
@@ -32,7 +35,7 @@ import polars as pl
 from rankwatch.analytics.divergence import STATE_FIELDS, build_incidents, fingerprint_departures, state_departures
 from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
-from rankwatch.base.schema import Fingerprints, Gpu, Steps
+from rankwatch.base.schema import EventKind, Fingerprints, Gpu, Steps
 
 HARDWARE_XIDS: frozenset[int] = frozenset({48, 63, 64, 74, 79, 92, 94, 95})
 """XIDs that mean a memory or device fault (48 DBE, 63/64 row remap, 74 NVLink, 79 fell off the bus, 92 high SBE
@@ -99,6 +102,7 @@ def detect_corruption(frames: Frames, config: CorruptionConfig = CorruptionConfi
     incident upgraded to `HARDWARE_ERROR` when a new device error corroborates it."""
     hw = hardware_errors(frames)
     found: list[tuple[Incident, int | None]] = list(_value_mismatch(frames, config))
+    found += list(_non_finite_state(frames, config))
     found += [(inc, None) for inc in (*_non_finite(frames, config), *_outliers(frames, config))]
     return tuple(_corroborate(inc, hw, lo, config) for inc, lo in _one_per_fault(found))
 
@@ -193,6 +197,51 @@ def _non_finite(frames: Frames, config: CorruptionConfig) -> list[Incident]:
         )
         for r in culprits
     ]
+
+
+def _non_finite_state(frames: Frames, config: CorruptionConfig) -> list[tuple[Incident, int | None]]:
+    """The ranks whose own fingerprint first found non-finite values in the parameters or optimizer state they hold
+    (`EventKind.NONFINITE`), at the first fingerprint step any rank did: the only trace a wrong value leaves where no
+    other rank holds a copy (a fully sharded state) and the loss is not recorded. Every rank at once (a non-finite
+    gradient all-reduced to every replica) blames nobody. The fault came after the previous fingerprint."""
+    ev = frames.events
+    rows = ev.filter(pl.col("kind") == str(EventKind.NONFINITE)) if ev.height else ev
+    if rows.height == 0 or rows["step"].drop_nulls().len() == 0:
+        return []
+    first = int(rows["step"].min())  # type: ignore[arg-type]
+    at_first = rows.filter(pl.col("step") == first).sort("rank", "wall_ns").unique("rank", keep="first",
+                                                                                     maintain_order=True)
+    culprits = [int(r) for r in at_first["rank"]]
+    fp = frames.fingerprints
+    reporting = fp.filter(pl.col(Fingerprints.STEP) == first)[Fingerprints.RANK].n_unique() if fp.height else 0
+    before = fp.filter(pl.col(Fingerprints.STEP) < first)[Fingerprints.STEP].max() if fp.height else None
+    good = int(before) if before is not None else None  # type: ignore[arg-type]
+    onset = good + 1 if good is not None else first
+    evidence = Evidence(
+        source="events", summary=f"ranks whose fingerprint at step {first} found non-finite values in the state they "
+                                 "hold, the first fingerprint any rank did",
+        columns=("rank", "step", "wall_ns", "message"),
+        rows=tuple((int(r), int(st), int(w), str(m)) for r, st, w, m in
+                   at_first.select("rank", "step", "wall_ns", "message").iter_rows()),
+    )
+    wall = at_first["wall_ns"].min()
+    wall_ns = int(wall) if wall is not None else None  # type: ignore[arg-type]
+    since = f"since step {onset}" if good is not None else f"by step {first}"
+    if len(culprits) >= 2 and len(culprits) >= reporting:
+        return [(Incident(
+            klass=IncidentClass.CORRUPTION, subject=Subject(kind=SubjectKind.JOB, id="job"), ranks=tuple(culprits),
+            onset_step=onset, detection_step=first, confidence=config.unblamed_confidence, cause=Cause.NON_FINITE,
+            summary=f"every rank holds non-finite parameters or optimizer state {since} (found at step {first}): "
+                    "nobody is blamed (numerics, or a value all-reduced to every replica)",
+            detection_wall_ns=wall_ns, fields=("state",), evidence=(evidence,), last_good_step=good,
+        ), good)]
+    return [(Incident(
+        klass=IncidentClass.CORRUPTION, subject=Subject(kind=SubjectKind.RANK, id=str(r)), ranks=(r,),
+        onset_step=onset, detection_step=first, confidence=config.non_finite_confidence, cause=Cause.NON_FINITE,
+        summary=f"rank {r} holds non-finite parameters or optimizer state {since} (found at step {first}; "
+                f"{len(culprits)} of {reporting} ranks), which no other rank's values explain",
+        detection_wall_ns=wall_ns, fields=("state",), evidence=(evidence,), last_good_step=good,
+    ), good) for r in culprits]
 
 
 def _non_finite_fields(rows: pl.DataFrame) -> tuple[str, ...]:

@@ -230,6 +230,10 @@ class EventKind(StrEnum):
     """Written at close when torch's Flight Recorder is on: the message is a JSON object group -> collectives that
     group issued while the collector recorded, by torch's own count (collector/flight.py); what the collectives table
     is checked against (analytics: a partial table is a warning)."""
+    NONFINITE = "nonfinite"
+    """A fingerprint found non-finite values (NaN, inf) in the rank's own parameters or optimizer state (its local
+    shards): the event's step is the fingerprint's; the message says how many in each. Healthy training never holds
+    one, and in a fully sharded state no other rank holds a copy to disagree with."""
     REPLAY_BASIS = "replay_basis"
     """Rank 0 of an attempt that undoes a state fault (corruption, divergence): the attempts it replaces are a
     replay reference only before the event's `step`, where the fault may have begun (their later states held it)."""

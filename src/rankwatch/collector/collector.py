@@ -907,6 +907,10 @@ class Collector:
                     fp.param_count,
                 ),
             )
+            if fp.nonfinite_params or fp.nonfinite_optim:
+                self.event(EventKind.NONFINITE, step=step, message=(
+                    f"{fp.nonfinite_params} non-finite value(s) in its parameters, {fp.nonfinite_optim} in its "
+                    "optimizer state (the tensors this rank holds)"))
             return True
         except Exception as exc:
             self._internal_error("fingerprint", exc)

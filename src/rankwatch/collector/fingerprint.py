@@ -36,6 +36,10 @@ class Fingerprint:
     unhashed: int = 0
     """Tensors (parameters and optimizer state) whose bytes could not be read, each hashed as a marker of its type,
     dtype and shape only: a tensor subclass with neither `to_local` nor a flatten protocol nor plain storage."""
+    nonfinite_params: int = 0
+    """Non-finite (NaN, inf) elements in the parameters this rank holds (a DTensor's local shard)."""
+    nonfinite_optim: int = 0
+    """... and in its optimizer state tensors."""
 
 
 _MAX_NESTING = 4
@@ -183,11 +187,50 @@ def rng_hashes() -> tuple[str, str, str, str | None]:
     return py, h.hexdigest(), cpu, cuda
 
 
+def _local(t: torch.Tensor) -> torch.Tensor | None:
+    """The floating-point tensor this rank holds of `t` (a DTensor's local shard), None for any other."""
+    to_local = getattr(t, "to_local", None)
+    if callable(to_local) and type(t) is not torch.Tensor:
+        try:
+            t = to_local()
+        except Exception:
+            return None
+    return t if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() else None
+
+
+def _nonfinite(tensors: Iterable[object]) -> int:
+    """Non-finite elements in `tensors` (their local shards); a tensor whose values cannot be read (a subclass whose
+    ops fail, as `_update_subclass` hashes as a marker) counts none."""
+    count = 0
+    with torch.no_grad():
+        for t in tensors:
+            local = _local(t) if isinstance(t, torch.Tensor) else None
+            if local is None:
+                continue
+            try:
+                count += int(local.numel() - torch.isfinite(local).sum().item())
+            except Exception:
+                continue
+    return count
+
+
+def nonfinite_counts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[int, int]:
+    """(non-finite elements in the parameters this rank holds, in its optimizer state tensors). Counted where the
+    tensors are (on the GPU: one scalar comes back per tensor)."""
+    optim = 0
+    if optimizer is not None:
+        optim = _nonfinite(v for state in optimizer.state.values() if isinstance(state, Mapping)
+                           for v in state.values())
+    return _nonfinite(model.parameters()), optim
+
+
 def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Fingerprint:
     param_hash, count, marked_params = _hash_named(model.named_parameters())
     optim_hash, marked_optim = _hash_optimizer(optimizer)
     py, npy, cpu, cuda = rng_hashes()
+    bad_params, bad_optim = nonfinite_counts(model, optimizer)
     return Fingerprint(
+        nonfinite_params=bad_params, nonfinite_optim=bad_optim,
         param_hash=param_hash,
         optim_hash=optim_hash,
         rng_python_hash=py,

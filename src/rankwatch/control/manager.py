@@ -267,6 +267,23 @@ def assess(
     return replace(plan, skipped=tuple(i.id for i in skipped), reshuffle=suspects if plan.relaunch else ())
 
 
+def placed_topology(run_dir: Path, topo: pl.DataFrame) -> pl.DataFrame:
+    """`topo` (`attempt_topology`) with each rank's device where its collector named none (no NVML: a CPU run, a
+    driver that did not answer) taken from the launch record of its attempt: the device the launcher placed it on
+    (`CommandJob.placement`: its UUID where known, else the device's name in the visibility list it was given), so
+    a fault that follows a device can be told from one that follows a rank on any machine. Unchanged where the run
+    records no placement."""
+    launches = read_launches(run_dir, missing_ok=True)
+    rows = [(n, int(r), str(p[2])) for n, rec in enumerate(launches) if isinstance(rec.get("placement"), dict)
+            for r, p in rec["placement"].items() if isinstance(p, list) and len(p) == 3 and p[2]]
+    if not rows or topo.height == 0:
+        return topo
+    placed = pl.DataFrame(rows, schema={"attempt": topo.schema["attempt"], "rank": topo.schema["rank"],
+                                        "_placed": pl.String}, orient="row")
+    return topo.join(placed, on=["attempt", "rank"], how="left").with_columns(
+        pl.coalesce("device_uuid", "_placed").alias("device_uuid")).drop("_placed")
+
+
 def localize_attempts(run_dir: Path, incidents: Sequence[Incident]) -> tuple[Localization, ...]:
     """Localization across this run's attempts (`analytics.localize`, one observation per attempt on the placement
     it ran with): the incidents earlier recoveries acted on (their records keep them) and `incidents` (new ones).
@@ -291,7 +308,7 @@ def localize_attempts(run_dir: Path, incidents: Sequence[Incident]) -> tuple[Loc
         return ()  # one attempt's incidents cannot recur
     store = open_run(run_dir)
     try:
-        topo, grouped = attempt_topology(store.con), groups(store.con)
+        topo, grouped = placed_topology(run_dir, attempt_topology(store.con)), groups(store.con)
     except duckdb.Error as exc:
         raise read_error(exc, telemetry_dir(run_dir)) from None
     attempts = sorted(int(a) for a in topo["attempt"].unique())

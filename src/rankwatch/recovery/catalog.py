@@ -131,6 +131,10 @@ class Manifest:
     """The state beyond model and optimizer the job declared, each as (name, state): `PIECE_SAVED`, `PIECE_NONE` (the
     job said it has none: no scheduler, no scaler) or ``missing: <why>`` (declared but not in this checkpoint).
     Empty in manifests written before pieces were recorded (the canary's saves hold every piece)."""
+    determinism: str = ""
+    """The saver's `recovery.determinism.DeterminismInputs` as canonical JSON (`lineage.inputs_json`): what decides
+    the numerics beyond config and state, so a resume under other inputs is CHANGED with what changed. "" where the
+    saver did not record them (older manifests; the canary records them in its launch records)."""
     agreement: str = ""
     """What the ranks said of one another when it was saved (`recovery.Checkpointer`: the consistency gate's fields,
     judged over every rank's vote in the save's own gather): `AGREED`, ``disagreed: <how>`` (`DISAGREED`), or ""
@@ -187,6 +191,8 @@ class Manifest:
             doc["pieces"] = dict(self.pieces)
         if self.agreement:
             doc["agreement"] = self.agreement
+        if self.determinism:
+            doc["determinism"] = json.loads(self.determinism)
         return json.dumps(doc, indent=1)
 
     @classmethod
@@ -214,6 +220,8 @@ class Manifest:
                 created_wall_ns=_typed(doc, "created_wall_ns", int),
                 pieces=tuple((k, _typed(pieces, k, str)) for k in pieces),
                 agreement=_typed(doc, "agreement", str) if "agreement" in doc else "",
+                determinism=(json.dumps(_typed(doc, "determinism", dict), sort_keys=True, separators=(",", ":"),
+                                        ensure_ascii=False) if "determinism" in doc else ""),
             )
         except TypeError as exc:
             raise ValueError(str(exc)) from None

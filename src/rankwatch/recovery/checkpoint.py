@@ -365,6 +365,8 @@ class Staged:
     payload: bytes
     """The rank's own file (RNG states, data position, scheduler, scaler, extra), serialized."""
     pieces: tuple[tuple[str, str], ...] = ()
+    determinism: str = ""
+    """`Manifest.determinism` (rank 0's is written)."""
     vote: Any = None
     """What this rank says it held at the step (picklable), gathered with every rank's file report."""
     judge: Callable[[Sequence[Any]], str] | None = None
@@ -516,7 +518,7 @@ def commit_checkpoint(collector: Any, config: CheckpointConfig, staged: Staged, 
     if rank == 0:
         agreement = _agreement(collector, staged, reports)
         outcome = _publish(collector, reports, layout=layout, versions=versions, step=step, tmp=tmp, final=final,
-                           fire=fire, pieces=pieces, agreement=agreement)
+                           fire=fire, pieces=pieces, agreement=agreement, determinism=staged.determinism)
         if not outcome[0]:
             partial = _tree_size(tmp)  # before any rank removes its files: what the failed save left
     outcomes: list[Any] = [None] * world
@@ -575,7 +577,7 @@ def _discard(
 
 def _publish(
     collector: Any, reports: list[Any], *, layout: Layout, versions: Versions, step: int, tmp: Path, final: Path,
-    fire: Any, pieces: tuple[tuple[str, str], ...] = (), agreement: str = "",
+    fire: Any, pieces: tuple[tuple[str, str], ...] = (), agreement: str = "", determinism: str = "",
 ) -> tuple[bool, str]:
     """Rank 0: write the manifest and make the checkpoint visible, only if every rank reported its files."""
     ckpt = checkpoint_id(step)
@@ -590,7 +592,7 @@ def _publish(
             manifest = Manifest(
                 checkpoint_id=ckpt, step=step, world_size=layout.world_size, layout=layout, versions=versions,
                 files=tuple(sorted((f for r in reports for f in r.files), key=lambda f: f.path)),
-                created_wall_ns=time.time_ns(), pieces=pieces, agreement=agreement,
+                created_wall_ns=time.time_ns(), pieces=pieces, agreement=agreement, determinism=determinism,
             )
             data = manifest.to_json().encode()
             rec.bytes = len(data)

@@ -69,7 +69,7 @@ import rankwatch
 from rankwatch.base.schema import EventKind, GroupKind
 from rankwatch.base.topology import Layout, group_kind
 from rankwatch.collector.fingerprint import (
-    consistency_domain, domain_name, hash_optimizer, hash_tensors, rng_hashes,
+    consistency_domain, domain_name, hash_optimizer, hash_tensors, nonfinite_counts, rng_hashes,
 )
 from rankwatch.collector.launcher_env import RUN_DIR_ENV, launch_env, numbered
 from rankwatch.recovery.catalog import (
@@ -79,10 +79,10 @@ from rankwatch.recovery.checkpoint import (
     CheckpointConfig, CheckpointFault, SaveResult, Staged, commit_checkpoint, load_checkpoint, stage_checkpoint,
 )
 from rankwatch.recovery.decision import GateVerdict
-from rankwatch.recovery.determinism import pin_ddp_buckets
+from rankwatch.recovery.determinism import DDP_BUCKET_CAP_MB, DeterminismInputs, pin_ddp_buckets
 from rankwatch.recovery.gate import Domain, Field, GateOutcome, RankState, judge, run_gate
 from rankwatch.recovery.job import FROM_START, LAYOUT_ENV, REPLAY_BASIS_ENV, RESUME_FROM_ENV
-from rankwatch.recovery.lineage import comparability_of_resume
+from rankwatch.recovery.lineage import comparability_of_resume, inputs_json
 from rankwatch.recovery.resume import FROM_INITIALIZATION, GateRefused, last_completed_step, plan, record_resume
 
 __all__ = ["STATE_KEY", "Checkpointer", "RngScope", "Stateful", "agreement_of", "gate_domains", "job_layout",
@@ -206,6 +206,19 @@ def _hash_data(state: Any) -> str:
     return hashlib.sha256((digest + "\n".join(rest)).encode()).hexdigest()[:16]
 
 
+def determinism_changes(manifest: Any, now: DeterminismInputs) -> tuple[str, ...]:
+    """One 'name old->new' per determinism input that differs between the checkpoint's saver (`Manifest.determinism`)
+    and `now`; () when the manifest records none. ValueError naming the checkpoint when what it records is not one."""
+    if not manifest.determinism:
+        return ()
+    where = f"checkpoint {manifest.checkpoint_id} manifest"
+    try:
+        doc = json.loads(manifest.determinism)
+    except ValueError as exc:
+        raise ValueError(f"{where}: determinism inputs are not JSON ({exc})") from None
+    return DeterminismInputs.from_dict(doc, where=where).changes(now)
+
+
 def gate_domains(members: Sequence[Sequence[int]], *, world_size: int, rng: Sequence[Field]) -> list[Domain]:
     """The gate's domains from each rank's consistency-domain members (`consistency_domain`, in rank order): the
     world on the step and the RNG streams declared replicated (`rng`); each domain of two or more ranks on
@@ -219,21 +232,27 @@ def gate_domains(members: Sequence[Sequence[int]], *, world_size: int, rng: Sequ
     return domains
 
 
-def agreement_of(votes: Sequence[tuple[RankState, Sequence[int]] | None], *, rng: Sequence[Field]) -> str:
-    """`Manifest.agreement` of a save from every rank's vote (rank order: what it held, hashed as the gate hashes it,
-    and its consistency domain's members; None from a rank that sent none): the resume gate's domains and fields
-    (`gate_domains`) judged at the save, so a save the ranks disagreed on is never a recovery point (the gate would
-    refuse it at the resume anyway) and retention keeps the last one they agreed on. Pure."""
+Vote = tuple[RankState, Sequence[int], tuple[int, int]]
+"""A rank's word at a save: what it held (hashed as the gate hashes it), its consistency domain's members, and the
+non-finite elements in the parameters and the optimizer state it holds (`fingerprint.nonfinite_counts`)."""
+
+
+def agreement_of(votes: Sequence[Vote | None], *, rng: Sequence[Field]) -> str:
+    """`Manifest.agreement` of a save from every rank's vote (rank order; None from a rank that sent none): the
+    resume gate's domains and fields (`gate_domains`) judged at the save, and no rank holding a NaN or inf (a value
+    no other rank may hold a copy of under sharding, which resuming would carry on). A save the ranks disagreed on
+    is never a recovery point (the gate would refuse most of them at the resume anyway) and retention keeps the
+    last one they agreed on. Pure."""
     missing = [r for r, v in enumerate(votes) if v is None]
     if missing:
         return f"{DISAGREED} no vote from ranks {missing}"
     present = [v for v in votes if v is not None]
     outcomes = [judge(d, [v[0] for v in present])
                 for d in gate_domains([v[1] for v in present], world_size=len(votes), rng=rng)]
-    bad = [o for o in outcomes if o.verdict is not GateVerdict.AGREE]
-    if not bad:
-        return AGREED
-    return f"{DISAGREED} " + "; ".join(o.message().removeprefix("consistency gate ") for o in bad)[:800]
+    why = [o.message().removeprefix("consistency gate ") for o in outcomes if o.verdict is not GateVerdict.AGREE]
+    why += [f"rank {v[0].rank} holds non-finite values ({v[2][0]} in its parameters, {v[2][1]} in its optimizer "
+            "state)" for v in present if v[2][0] or v[2][1]]
+    return f"{DISAGREED} " + "; ".join(why)[:800] if why else AGREED
 
 
 class Checkpointer:
@@ -363,7 +382,8 @@ class Checkpointer:
             self._collector, step=step, rank=self.rank, layout=self.layout, model=self._model,
             optimizer=self._optimizer, data_position=-1, versions=self._versions, lr_scheduler=self._scheduler,
             grad_scaler=self._scaler, state_key=STATE_KEY, rank_extra=extra, pieces=pieces)  # the position: in `data`
-        staged = replace(staged, vote=self._vote(step, extra["saved"]), judge=self._judge)
+        staged = replace(staged, vote=self._vote(step, extra["saved"]), judge=self._judge,
+                         determinism=inputs_json(self.determinism()))
         if not self._async:
             result = commit_checkpoint(self._collector, self._config, staged, run_dir=self.run_dir, group=self._group)
             self.last_save = result
@@ -374,15 +394,28 @@ class Checkpointer:
         self._pending.start()
         return None
 
-    def _vote(self, step: int, saved: Mapping[str, str | None]) -> tuple[RankState, tuple[int, ...]]:
-        """This rank's word at a save of `step`: what it holds, hashed as the gate hashes it, and its consistency
-        domain's members."""
+    def determinism(self) -> DeterminismInputs:
+        """This process's determinism inputs (`recovery.determinism`): threads, the deterministic-algorithms flag,
+        backend, DDP's bucket settings, versions, the numeric environment. Each save records them in its manifest;
+        a resume under other ones is CHANGED in the lineage with what changed."""
+        ddp = self._model if isinstance(self._model, torch.nn.parallel.DistributedDataParallel) else None
+        cap = getattr(ddp, "bucket_bytes_cap", None) if ddp is not None else None
+        return DeterminismInputs.current(
+            threads=torch.get_num_threads(),
+            backend=str(dist.get_backend(self._group)) if dist.is_initialized() else "none",
+            deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+            buckets_pinned=bool(self.buckets_pinned),
+            bucket_cap_mb=round(cap / (1024 * 1024)) if cap else DDP_BUCKET_CAP_MB,
+            gradient_as_bucket_view=bool(getattr(ddp, "gradient_as_bucket_view", False)))
+
+    def _vote(self, step: int, saved: Mapping[str, str | None]) -> Vote:
+        """This rank's word at a save of `step` (`Vote`)."""
         _, members = consistency_domain(self._model, self.rank, self.world_size)
         state = RankState(rank=self.rank, step=step, data_position=-1, param=str(saved["param"]),
                           optim=str(saved["optim"]), rng_python=str(saved["rng_python"]),
                           rng_numpy=str(saved["rng_numpy"]), rng_torch=str(saved["rng_torch"]),
                           rng_cuda=saved["rng_cuda"])
-        return state, tuple(members)
+        return state, tuple(members), nonfinite_counts(self._model, self._optimizer)
 
     def _judge(self, votes: Sequence[Any]) -> str:
         return agreement_of(votes, rng=self._rng_fields)
@@ -480,12 +513,15 @@ class Checkpointer:
         if self.rank == 0:
             same_code = (m.versions.rankwatch, m.versions.torch, m.versions.python, m.versions.numpy) == (
                 self._versions.rankwatch, self._versions.torch, self._versions.python, self._versions.numpy)
+            now_inputs = self.determinism()
+            changes = determinism_changes(m, now_inputs)
             verdict = comparability_of_resume(m.layout, self.layout, m.world_size, self.world_size,
                                               same_code=same_code,
-                                              same_config=m.versions.config_sha256 == self._versions.config_sha256)
+                                              same_config=m.versions.config_sha256 == self._versions.config_sha256,
+                                              determinism_changes=changes)
             record_resume(self.run_dir, attempt=self.attempt, resume_at=m.step + 1, checkpoint_id=m.checkpoint_id,
                           verdict=verdict, old_world_size=m.world_size, new_world_size=self.world_size,
-                          old_layout=m.layout, new_layout=self.layout)
+                          old_layout=m.layout, new_layout=self.layout, determinism=inputs_json(now_inputs))
         return loaded.step + 1
 
     def _choose(self) -> Any:

@@ -158,8 +158,10 @@ class LivenessView:
         files of a live run lag each rank's own flush (seconds; more on a loaded host, and not alike on every rank), so
         a rank whose rows stopped arriving may still be beating: the liveness record, rewritten twice per heartbeat
         from a thread of its own, is the fresher word on whether it is alive. Contradicted: an incident about an
-        attempt this poll's attempt replaced, or one whose ranks are all RUNNING here (beating and completing steps
-        within their allowance). Other classes are never contradicted: liveness says nothing of speed or values."""
+        attempt this poll's attempt replaced, or one whose ranks are all RUNNING (beating and completing steps within
+        their allowance) or FINISHED (its collector closing or closed with code 0: at a run's end the ranks that closed
+        first flushed their last rows at once, while one still closing is only as fresh as its last periodic flush)
+        here. Other classes are never contradicted: liveness says nothing of speed or values."""
         if incident.klass not in (IncidentClass.FAIL_STOP, IncidentClass.HANG) or self.attempt is None:
             return None
         if incident.attempt is not None and incident.attempt < self.attempt:
@@ -167,9 +169,11 @@ class LivenessView:
         if incident.attempt is not None and incident.attempt > self.attempt:
             return None
         views = [self.rank(r) for r in incident.ranks]
-        if incident.ranks and all(v is not None and v.state is RankState.RUNNING for v in views):
+        fine = (RankState.RUNNING, RankState.FINISHED)
+        if incident.ranks and all(v is not None and v.state in fine for v in views):
+            states = sorted({str(v.state) for v in views if v is not None})
             who = f"rank {incident.ranks[0]} is" if len(incident.ranks) == 1 else f"ranks {list(incident.ranks)} are"
-            return f"{who} running in attempt {self.attempt} by their liveness records"
+            return f"{who} {' or '.join(states)} in attempt {self.attempt} by their liveness records"
         return None
 
     def line(self) -> str:

@@ -133,12 +133,15 @@ def _kill_once_quarantined(rank: int, manager: Any, monitor: Monitor, clock: _Cl
 
 def _off_quarantine(run_dir: Path, attempt: int) -> str | None:
     """None when no rank of `attempt` sat on a quarantined device, else which did."""
+    import polars as pl
+
+    from rankwatch.analytics.queries import attempt_topology
     from rankwatch.analytics.store import connect
-    from rankwatch.control.manager import quarantined
+    from rankwatch.control.manager import placed_topology, quarantined
 
     bad = {e.id for e in quarantined(run_dir) if e.kind == "device"}
-    rows = connect(run_dir).execute(
-        f"SELECT rank, device_uuid FROM topology WHERE attempt = {int(attempt)} ORDER BY rank").fetchall()
+    topo = placed_topology(run_dir, attempt_topology(connect(run_dir)))
+    rows = topo.filter(pl.col("attempt") == attempt).sort("rank").select("rank", "device_uuid").iter_rows()
     on = [f"rank {r} on {u}" for r, u in rows if u in bad]
     return "; ".join(on) if on else None
 
@@ -183,6 +186,8 @@ def run_drill(name: str, workdir: Path, *, say: Callable[[str], None] = print,
         raise ValueError(f"unknown drill {name!r} for {target.name} (drills: {', '.join(target.drills)})")
     if name in target.unpinned:
         spec = dataclasses.replace(spec, resume_from=None)
+    if name in target.classes:
+        spec = dataclasses.replace(spec, classes=target.classes[name])
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     ref = reference if reference is not None else reference_fingerprints(workdir, say=say, target=target)

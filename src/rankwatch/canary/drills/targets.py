@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rankwatch.analytics.incidents import IncidentClass
 from rankwatch.canary.drills.specs import DRILLS, FAULT_AFTER, STEPS, VICTIM, DrillSpec, drill_config
 from rankwatch.recovery.job import Job, JobLoader, Launcher
 
@@ -45,6 +46,10 @@ class DrillTarget:
     the OS in every process) differs between any two runs and is left out."""
     faults: Mapping[str, str] = field(default_factory=dict)
     """What a drill injects where this job's fault differs from the canary's (`what`)."""
+
+    classes: Mapping[str, tuple[IncidentClass, ...]] = field(default_factory=dict)
+    """The classes a drill may be detected as on this job where they differ from the canary's
+    (`DrillSpec.classes`)."""
 
     unpinned: frozenset[str] = frozenset()
     """Drills whose relaunch may resume from any sound checkpoint on this job, not the one the canary's pacing
@@ -86,13 +91,23 @@ EXAMPLE_FAULTS: dict[str, tuple[tuple[str, str], ...]] = {
     "exit": (("FAULT_RAISE_RANK", str(VICTIM)), ("FAULT_RAISE_STEP", str(FAULT_AFTER + 1))),
     "straggler": (("FAULT_SLEEP_RANK", "2"), ("FAULT_SLEEP_MS", "80")),
     "skew_rng": (("FAULT_RNG_SKEW_RANK", str(VICTIM)), ("FAULT_RNG_SKEW_STEP", str(FAULT_AFTER + 1))),
+    "bitflip": (("FAULT_BITFLIP_RANK", str(VICTIM)), ("FAULT_BITFLIP_STEP", str(FAULT_AFTER + 1))),
 }
 """The drills whose fault is inside the job, as the examples' own fault variables (examples/_faults.py): rank 1
 raises at step 23 (its exit a fail-stop), rank 2 sleeps 80 ms a step (from the start), rank 1 draws one extra
-random number at step 23."""
+random number at step 23, rank 1 flips a gradient bit before its step-23 optimizer step."""
 
-EXAMPLE_DRILLS = ("sigkill", "sigstop", "exit", "straggler", "skew_rng", "corrupt_manifest", "corrupt_shard",
-                  "full_storage")
+EXAMPLE_MACHINE_FAULTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "failing_device": (("FAULT_DEVICE", str(VICTIM)), ("FAULT_DEVICE_STEP", str(FAULT_AFTER + 1))),
+}
+"""The drills whose fault belongs to the machine, not to one attempt: in the job's environment at every attempt
+(`CommandJob.env`), met by whichever rank the launcher places on the device (examples/_faults.py)."""
+
+WORLD = 4
+"""The examples' ranks in a drill (torchrun --nproc-per-node)."""
+
+EXAMPLE_DRILLS = ("sigkill", "sigstop", "exit", "straggler", "skew_rng", "bitflip", "corrupt_manifest",
+                  "corrupt_shard", "full_storage", "failing_device")
 """The drills an example takes: those from outside the job, and those its fault variables inject."""
 
 _EXAMPLE_ARGS = ("--steps", str(STEPS), "--save-every", "10", "--fingerprint-every", "10", "--resume")
@@ -115,11 +130,15 @@ def example_target(example: str | Path) -> DrillTarget:
         from rankwatch.control.command import CommandJob
 
         extra = ("--tp", "2") if name == "fsdp_tp_2d" else ()
-        command = [sys.executable, "-m", "rankwatch.cli", "torchrun", "--standalone", "--nproc-per-node", "4",
+        command = [sys.executable, "-m", "rankwatch.cli", "torchrun", "--standalone", "--nproc-per-node", str(WORLD),
                    str(script), *_EXAMPLE_ARGS, *extra]
         layout = Layout.parse(EXAMPLES[name]) if EXAMPLES[name] else None
-        cmd = CommandJob.from_args(run_dir, command, layout=layout, cwd=script.parent.parent,
-                                   env={"OMP_NUM_THREADS": "1", "TORCH_FR_BUFFER_SIZE": "2000"})
+        env = {"OMP_NUM_THREADS": "1", "TORCH_FR_BUFFER_SIZE": "2000"}
+        env.update(EXAMPLE_MACHINE_FAULTS.get(spec.name, ()) if spec is not None else ())
+        # a drill that needs spare devices places the job on a visibility list with two more than its ranks
+        devices = [str(d) for d in range(WORLD + 2)] if spec is not None and spec.slots_per_host else None
+        cmd = CommandJob.from_args(run_dir, command, layout=layout, cwd=script.parent.parent, env=env,
+                                   devices=devices or ())
         faults = EXAMPLE_FAULTS.get(spec.name, ()) if spec is not None else ()
         from dataclasses import replace
 
@@ -141,9 +160,16 @@ def example_target(example: str | Path) -> DrillTarget:
                        faults={"exit": f"rank {VICTIM} raises RuntimeError at step {FAULT_AFTER + 1} (FAULT_RAISE_*)",
                                "straggler": "rank 2 sleeps 80 ms in every step (FAULT_SLEEP_*)",
                                "skew_rng": f"rank {VICTIM} draws one extra torch.rand at step {FAULT_AFTER + 1} "
-                                           "(FAULT_RNG_SKEW_*)"},
+                                           "(FAULT_RNG_SKEW_*)",
+                               "failing_device": f"device {VICTIM} of the job's visibility list (0-5, two spares) "
+                                                 f"raises a CUDA ECC error at step {FAULT_AFTER + 1} under whichever "
+                                                 "rank is placed on it, every attempt (FAULT_DEVICE*)",
+                               "bitflip": f"bit 30 of the first gradient element rank {VICTIM} holds flipped after "
+                                          f"the backward of step {FAULT_AFTER + 1}, before its optimizer step "
+                                          "(FAULT_BITFLIP_*)"},
                        compared=("param_hash", "optim_hash", "rng_torch_hash", "data_position"),
-                       # an example is not paced: it trains 50 steps in a few seconds, and may finish before a
-                       # divergence seen from part files is decided; by then its retention (keep_last=3) has pruned
-                       # the step-19 checkpoint, and the sound recovery is a restart from step 0
-                       unpinned=frozenset({"skew_rng"}))
+                       # the canary flips its bit before its own all-reduce (a gradient-norm outlier); here the flip
+                       # comes after DDP's all-reduce, on one rank: that replica applies another update, parameters
+                       # and optimizer state departing together, which the fingerprints read as its divergence
+                       # (`analytics.divergence.state_departures`)
+                       classes={"bitflip": (IncidentClass.DIVERGENCE, IncidentClass.CORRUPTION)})
