@@ -149,6 +149,7 @@ def main() -> None:
     ckpt = recovery.Checkpointer(rw, model, optimizer, lr_scheduler=None, grad_scaler=None, data=data,  # rankwatch
                                  rng={"torch": "per_rank" if args.per_rank_seed else "replicated"},  # rankwatch
                                  every=args.save_every, config=numerics,  # rankwatch
+                                 global_batch=args.batch_size * dist.get_world_size(),  # rankwatch
                                  async_save=args.async_save)  # rankwatch
     first = ckpt.resume() if args.resume else 0  # rankwatch
 

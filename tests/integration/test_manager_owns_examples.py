@@ -155,6 +155,8 @@ def test_a_declared_data_parallel_job_goes_on_with_fewer_ranks_and_lineage_says_
     changes = [e for e in lineage(run_dir) if e["kind"] == "world_size_change"]
     assert len(changes) == 1 and changes[0]["verdict"]["comparability"] == "changed", changes
     assert (changes[0]["details"]["old_world_size"], changes[0]["details"]["new_world_size"]) == (4, 3)
+    # the example keeps its per-rank batch (--batch-size 8): the global batch shrinks, and the lineage says so
+    assert (changes[0]["details"]["old_global_batch"], changes[0]["details"]["new_global_batch"]) == (32, 24)
     got = fingerprints(run_dir, len(launches) - 1)
     assert {r for (r, _) in got} == {0, 1, 2} and max(s for (_, s) in got) == STEPS - 1
 

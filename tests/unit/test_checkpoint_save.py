@@ -20,7 +20,9 @@ from rankwatch.base.topology import Layout
 from rankwatch.collector import Collector, CollectorConfig, MemorySink
 from rankwatch.recovery import checkpoint as ckpt_mod
 from rankwatch.recovery.catalog import Verdict, list_checkpoints
-from rankwatch.recovery.checkpoint import CheckpointConfig, DcpSaveError, SaveResult, current_versions, save_checkpoint
+from rankwatch.recovery.checkpoint import (
+    CheckpointConfig, DcpSaveError, SaveResult, commit_checkpoint, current_versions, stage_checkpoint,
+)
 
 from support import world_of_one  # noqa: F401  (the fixture)
 
@@ -33,9 +35,10 @@ def _save(run_dir: Path, group: Any, sink: MemorySink, step: int) -> SaveResult:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     c = Collector(CollectorConfig(run_dir=run_dir, handle_sigterm=False), rank=0, world_size=1, sink=sink)
-    return save_checkpoint(c, CheckpointConfig(), run_dir=run_dir, step=step, rank=0, layout=LAYOUT, group=group,
-                           model=model, optimizer=torch.optim.AdamW(model.parameters()), data_position=0,
-                           versions=current_versions(object()))
+    staged = stage_checkpoint(c, step=step, rank=0, layout=LAYOUT, model=model,
+                              optimizer=torch.optim.AdamW(model.parameters()), data_position=0,
+                              versions=current_versions(object()))
+    return commit_checkpoint(c, CheckpointConfig(), staged, run_dir=run_dir, group=group)
 
 
 def _full_disk_dcp(written: int) -> SimpleNamespace:

@@ -18,7 +18,7 @@ from rankwatch.base.schema import GroupKind
 from rankwatch.base.topology import Layout
 from rankwatch.collector import Collector, CollectorConfig, MemorySink
 from rankwatch.recovery.catalog import AGREED, DISAGREED, MANIFEST, Manifest, Verdict, list_checkpoints
-from rankwatch.recovery.checkpointer import Checkpointer, agreement_of, job_layout, rng_fields
+from rankwatch.recovery.checkpointer import Checkpointer, agreement_of, agreement_over, job_layout, rng_fields
 from rankwatch.recovery.gate import Field, RankState
 from rankwatch.recovery.lineage import lineage_path
 from rankwatch.recovery.resume import GateRefused
@@ -122,6 +122,18 @@ def test_a_save_is_judged_by_the_gates_own_domains() -> None:
     assert agreement_of(sharded, rng=()) == (f"{DISAGREED} rank 1 holds non-finite values (0 in its parameters, 1 in "
                                               "its optimizer state)")
     assert agreement_of([same[0], None, same[2], same[3]], rng=()) == f"{DISAGREED} no vote from ranks [1]"
+
+
+def test_the_canarys_saves_are_judged_by_its_own_gate() -> None:
+    from rankwatch.canary.resume import gate_domains
+
+    domains = gate_domains(Layout.parse("dp=2,pp=2"))
+    assert [(d.name, d.ranks) for d in domains][0] == ("world", (0, 1, 2, 3))
+    votes = [_vote(r, ()) for r in range(4)]
+    assert agreement_over(votes, domains) == AGREED
+    votes[1] = _vote(1, (), rng_python="py'")  # the canary seeds every stream alike: compared within its dp group
+    text = agreement_over(votes, domains)
+    assert text.startswith(DISAGREED) and "differ in rng_python" in text and "world" not in text
 
 
 def test_a_save_the_ranks_disagreed_on_is_never_chosen_nor_pushes_out_the_last_one_they_agreed_on(

@@ -189,11 +189,15 @@ def test_entries_without_the_new_optional_details_keep_their_hash(tmp_path: Path
     # attempt and determinism were added to Details later: an entry that leaves them unset hashes as before
     path = _write(tmp_path)
     for line in path.read_text().splitlines():
-        assert '"attempt"' not in line and '"determinism"' not in line
+        assert '"attempt"' not in line and '"determinism"' not in line and "global_batch" not in line
     e = Lineage(path).append(NewEntry(kind=EntryKind.REPLAY_VERIFIED, verdict=SAME,
                                       details=Details(from_step=3, to_step=5, attempt=1, determinism='{"a":1}')))
     assert verify(path).ok and e.details.attempt == 1
     assert read(path)[-1].details.determinism == '{"a":1}'
+    Lineage(path).append(NewEntry(kind=EntryKind.WORLD_SIZE_CHANGE, verdict=SAME, details=Details(
+        old_world_size=4, new_world_size=3, old_global_batch=32, new_global_batch=24)))
+    assert verify(path).ok
+    assert (read(path)[-1].details.old_global_batch, read(path)[-1].details.new_global_batch) == (32, 24)
 
 
 def test_new_entry_validation() -> None:

@@ -240,7 +240,8 @@ EXPORTS = {
         "GateVerdict", "Idempotency", "Job", "JobDeclaration", "JobLoader", "LaunchResult", "Launcher", "Lineage",
         "LoadResult", "Manifest", "MembershipSupport", "RankState", "RngScope", "SaveResult", "ScopeKind", "Target", "TargetKind",
         "Verdict", "check_lineage", "choose", "last_completed_step", "list_checkpoints", "load_checkpoint",
-        "pin_ddp_buckets", "preflight", "preserve_evidence", "run_gate", "save_checkpoint", "verify_evidence",
+        "pin_ddp_buckets", "preflight", "preserve_evidence", "run_gate", "Staged", "commit_checkpoint",
+        "stage_checkpoint", "verify_evidence",
     },
     "rankwatch.recovery.policy": {
         "DECISION_CASES", "DecisionCase", "DecisionRow", "RecurrenceView", "decide", "decision_rows",

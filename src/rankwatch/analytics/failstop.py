@@ -508,8 +508,9 @@ def _first_failure(abnormal: pl.DataFrame, errors: pl.DataFrame, live: pl.DataFr
     came before it, but only before the first signal (after it, it may be a reaction to the stop itself: a peer
     that left). None when nothing failed."""
     signalled = abnormal.filter(pl.col("kind") == str(EventKind.SIGNAL))
+    gone_on_signal = signalled["rank"].unique().to_list()  # a list: polars deprecates `is_in` of a same-typed Series
     failed = abnormal.filter((pl.col("kind") == str(EventKind.EXCEPTION))
-                             | ((pl.col("kind") == str(EventKind.EXIT)) & ~pl.col("rank").is_in(signalled["rank"])))
+                             | ((pl.col("kind") == str(EventKind.EXIT)) & ~pl.col("rank").is_in(gone_on_signal)))
     react = _earliest(failed.filter(pl.col("rank").is_in(list(reacting)))["wall_ns"].min(),
                       errors["exit_wall_ns"].min())
     first_signal = _earliest(signalled["wall_ns"].min())

@@ -9,6 +9,7 @@ parallelism is explicit send/recv between neighbouring stages, microbatch by mic
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -36,12 +37,17 @@ from rankwatch.canary.config import CanaryConfig, slot_of
 from rankwatch.canary.faults import DEVICE_ERROR_TEXT, FlipTarget
 from rankwatch.canary.model import ShardedLoader, Stage, SyntheticRegression
 from rankwatch.canary.parallel import build_groups
-from rankwatch.canary.resume import resume
+from rankwatch.canary.resume import gate_domains, resume
 from rankwatch.collector.collector import Collector, CollectorConfig
+from rankwatch.collector.fingerprint import nonfinite_counts
 from rankwatch.collector.gpu import ReplaySampler, open_sampler
 from rankwatch.collector.null import NullCollector
-from rankwatch.recovery.checkpoint import CheckpointConfig, CheckpointFault, current_versions, save_checkpoint
+from rankwatch.recovery.checkpoint import (
+    CheckpointConfig, CheckpointFault, commit_checkpoint, current_versions, stage_checkpoint,
+)
+from rankwatch.recovery.checkpointer import agreement_over
 from rankwatch.recovery.determinism import pin_ddp_buckets
+from rankwatch.recovery.gate import rank_state
 
 log = logging.getLogger("rankwatch.canary")
 
@@ -436,10 +442,19 @@ class _Rank:
 
     def checkpoint(self, step: int) -> None:
         # a save that fails (ENOSPC, ...) commits nothing on any rank and was recorded; training goes on
-        save_checkpoint(self.c, CheckpointConfig(fault=CheckpointFault.from_env()), run_dir=self.cfg.run_dir,
-                        step=step, rank=self.rank, layout=self.layout, group=self.groups.world, model=self.stage,
-                        optimizer=self.optimizer, data_position=self.loader.position,
-                        versions=current_versions(self.cfg))
+        staged = stage_checkpoint(self.c, step=step, rank=self.rank, layout=self.layout, model=self.stage,
+                                  optimizer=self.optimizer, data_position=self.loader.position,
+                                  versions=current_versions(self.cfg))
+        # judged as its resume gate judges (`canary.resume.gate_domains`): a save the ranks disagreed on is never a
+        # recovery point, and retention keeps the last one they agreed on
+        state = rank_state(rank=self.rank, step=step, data_position=self.loader.position, model=self.stage,
+                           optimizer=self.optimizer)
+        domains = gate_domains(self.layout)
+        staged = dataclasses.replace(
+            staged, vote=(state, tuple(self.groups.dp_info.ranks), nonfinite_counts(self.stage, self.optimizer)),
+            judge=lambda votes: agreement_over(votes, domains))
+        commit_checkpoint(self.c, CheckpointConfig(fault=CheckpointFault.from_env()), staged,
+                          run_dir=self.cfg.run_dir, group=self.groups.world)
 
     def run(self) -> None:
         ends: list[int] = []

@@ -111,6 +111,15 @@ def _record_lineage(cfg: CanaryConfig, m: Manifest) -> None:
                   determinism=inputs_json(inputs) if inputs is not None else None)
 
 
+def gate_domains(layout: Layout) -> list[Domain]:
+    """The canary's consistency gate: the world on step and data position, each data-parallel group (the replicas of
+    one (tp, pp) shard) on every field (`recovery.gate`'s module docstring). Its saves are judged by the same
+    (`canary.loop`: `recovery.checkpointer.agreement_over`)."""
+    domains = [Domain(name="world", ranks=tuple(range(layout.world_size)), fields=WORLD_FIELDS)]
+    return domains + [Domain(name=name, ranks=tuple(ranks), fields=ALL_FIELDS)
+                      for kind, name, ranks in group_specs(layout) if kind is GroupKind.DP]
+
+
 def resume(collector: Any, cfg: CanaryConfig, *, rank: int, groups: RankGroups, model: torch.nn.Module,
            optimizer: torch.optim.Optimizer) -> Resumed:
     """Collective over the world group: choose (rank 0), load, gate, record lineage (rank 0). The caller sets its
@@ -140,10 +149,7 @@ def resume(collector: Any, cfg: CanaryConfig, *, rank: int, groups: RankGroups, 
                                 model=model, optimizer=optimizer)
     state = rank_state(rank=rank, step=loaded.step, data_position=loaded.data_position, model=model,
                        optimizer=optimizer)
-    domains = [Domain(name="world", ranks=tuple(range(world)), fields=WORLD_FIELDS)]
-    domains += [Domain(name=name, ranks=tuple(ranks), fields=ALL_FIELDS)
-                for kind, name, ranks in group_specs(cfg.layout) if kind is GroupKind.DP]
-    outcomes = run_gate(state, domains=domains, group=groups.world, world_size=world)
+    outcomes = run_gate(state, domains=gate_domains(cfg.layout), group=groups.world, world_size=world)
     for o in outcomes:
         if rank in o.ranks and (rank == 0 or o.domain != "world"):
             collector.event(EventKind.RECOVERY, message=o.message()[:1000])

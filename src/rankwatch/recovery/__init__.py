@@ -15,7 +15,9 @@ from rankwatch.base.lazy import lazy_names
 
 if TYPE_CHECKING:
     from rankwatch.recovery.catalog import Candidate, Manifest, Verdict, choose, list_checkpoints
-    from rankwatch.recovery.checkpoint import CheckpointConfig, LoadResult, SaveResult, load_checkpoint, save_checkpoint
+    from rankwatch.recovery.checkpoint import (
+        CheckpointConfig, LoadResult, SaveResult, Staged, commit_checkpoint, load_checkpoint, stage_checkpoint,
+    )
     from rankwatch.recovery.checkpointer import Checkpointer, RngScope
     from rankwatch.recovery.decision import (
         Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, GateVerdict, Idempotency, MembershipSupport,
@@ -38,7 +40,8 @@ _LAZY = {
     "SaveResult": "checkpoint", "ScopeKind": "decision", "Target": "decision", "TargetKind": "decision",
     "Verdict": "catalog", "check_lineage": "lineage", "choose": "catalog", "last_completed_step": "resume",
     "list_checkpoints": "catalog", "load_checkpoint": "checkpoint", "pin_ddp_buckets": "determinism", "preflight":
-    "resume", "preserve_evidence": "evidence", "run_gate": "gate", "save_checkpoint": "checkpoint",
+    "resume", "preserve_evidence": "evidence", "run_gate": "gate", "stage_checkpoint": "checkpoint",
+    "commit_checkpoint": "checkpoint", "Staged": "checkpoint",
     "verify_evidence": "evidence",
 }
 """Name -> the module of this package that defines it, imported on first use: reading a run's lineage or catalog
@@ -52,5 +55,6 @@ __all__ = [
     "GateVerdict", "Idempotency", "Job", "JobDeclaration", "JobLoader", "LaunchResult", "Launcher", "Lineage",
     "LoadResult", "Manifest", "MembershipSupport", "RankState", "SaveResult", "ScopeKind", "Target", "TargetKind",
     "Verdict", "check_lineage", "choose", "last_completed_step", "list_checkpoints", "load_checkpoint",
-    "pin_ddp_buckets", "preflight", "preserve_evidence", "run_gate", "save_checkpoint", "verify_evidence",
+    "pin_ddp_buckets", "preflight", "preserve_evidence", "run_gate", "Staged", "commit_checkpoint", "stage_checkpoint",
+    "verify_evidence",
 ]

@@ -131,6 +131,9 @@ class Manifest:
     """The state beyond model and optimizer the job declared, each as (name, state): `PIECE_SAVED`, `PIECE_NONE` (the
     job said it has none: no scheduler, no scaler) or ``missing: <why>`` (declared but not in this checkpoint).
     Empty in manifests written before pieces were recorded (the canary's saves hold every piece)."""
+    global_batch: int | None = None
+    """Samples per optimizer step across the job when it was saved, where the job declared it
+    (`recovery.Checkpointer(global_batch=...)`); a resume on another world records the change in the lineage."""
     determinism: str = ""
     """The saver's `recovery.determinism.DeterminismInputs` as canonical JSON (`lineage.inputs_json`): what decides
     the numerics beyond config and state, so a resume under other inputs is CHANGED with what changed. "" where the
@@ -161,6 +164,8 @@ class Manifest:
                                  f"or {PIECE_MISSING!r} and a reason")
         if self.checkpoint_id != checkpoint_id(self.step):
             raise ValueError(f"manifest checkpoint_id {self.checkpoint_id!r} does not match step {self.step}")
+        if self.global_batch is not None and self.global_batch < 1:
+            raise ValueError(f"manifest global_batch {self.global_batch} is not a positive number of samples")
         if self.agreement not in ("", AGREED) and not self.agreement.startswith(DISAGREED):
             raise ValueError(f"manifest agreement {self.agreement[:60]!r} is not '', {AGREED!r} or {DISAGREED!r} and "
                              "how")
@@ -193,6 +198,8 @@ class Manifest:
             doc["agreement"] = self.agreement
         if self.determinism:
             doc["determinism"] = json.loads(self.determinism)
+        if self.global_batch is not None:
+            doc["global_batch"] = self.global_batch
         return json.dumps(doc, indent=1)
 
     @classmethod
@@ -220,6 +227,7 @@ class Manifest:
                 created_wall_ns=_typed(doc, "created_wall_ns", int),
                 pieces=tuple((k, _typed(pieces, k, str)) for k in pieces),
                 agreement=_typed(doc, "agreement", str) if "agreement" in doc else "",
+                global_batch=_typed(doc, "global_batch", int) if "global_batch" in doc else None,
                 determinism=(json.dumps(_typed(doc, "determinism", dict), sort_keys=True, separators=(",", ":"),
                                         ensure_ascii=False) if "determinism" in doc else ""),
             )

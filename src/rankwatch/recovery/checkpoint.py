@@ -63,8 +63,7 @@ _CONFIG_FIELDS = ("layout", "model", "seed", "global_batch", "microbatches", "lr
 
 __all__ = [
     "CHECKPOINT_DIR", "CheckpointConfig", "CheckpointFault", "FaultAction", "LoadResult", "SavePoint", "SaveResult",
-    "Staged", "checkpoint_id", "commit_checkpoint", "current_versions", "load_checkpoint", "save_checkpoint",
-    "stage_checkpoint",
+    "Staged", "checkpoint_id", "commit_checkpoint", "current_versions", "load_checkpoint", "stage_checkpoint",
 ]
 
 
@@ -367,6 +366,8 @@ class Staged:
     pieces: tuple[tuple[str, str], ...] = ()
     determinism: str = ""
     """`Manifest.determinism` (rank 0's is written)."""
+    global_batch: int | None = None
+    """`Manifest.global_batch`."""
     vote: Any = None
     """What this rank says it held at the step (picklable), gathered with every rank's file report."""
     judge: Callable[[Sequence[Any]], str] | None = None
@@ -412,39 +413,6 @@ def stage_checkpoint(
         rec.bytes = len(payload)
     return Staged(step=step, rank=rank, layout=layout, versions=versions, tensors=tensors, payload=payload,
                   pieces=pieces)
-
-
-def save_checkpoint(
-    collector: Any,
-    config: CheckpointConfig,
-    *,
-    run_dir: Path,
-    step: int,
-    rank: int,
-    layout: Layout,
-    group: Any,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    data_position: int,
-    versions: Versions,
-    lr_scheduler: Any = None,
-    grad_scaler: Any = None,
-    state_key: str | None = None,
-    rank_extra: Mapping[str, Any] | None = None,
-    pieces: tuple[tuple[str, str], ...] = (),
-) -> SaveResult:
-    """Save and commit a checkpoint of `step`. Collective over `group` (the world group: every rank calls it).
-
-    `state_key`: the DCP key model and optimizer are saved under; by default the rank's (tp, pp) shard
-    (`shard_key`: the canary's hand-sharded state), one key for every rank where the state is DTensors or replicated
-    (`recovery.checkpointer`: DCP's global plan then covers each DTensor once and writes one copy of a replicated
-    tensor). `rank_extra` goes into the rank's own file (a loader's state, the fingerprints of what was saved);
-    `pieces` into the manifest (`Manifest.pieces`). Returns the same result on every rank; raises only when the group
-    itself broke (or on a bug)."""
-    staged = stage_checkpoint(collector, step=step, rank=rank, layout=layout, model=model, optimizer=optimizer,
-                              data_position=data_position, versions=versions, lr_scheduler=lr_scheduler,
-                              grad_scaler=grad_scaler, state_key=state_key, rank_extra=rank_extra, pieces=pieces)
-    return commit_checkpoint(collector, config, staged, run_dir=run_dir, group=group)
 
 
 def commit_checkpoint(collector: Any, config: CheckpointConfig, staged: Staged, *, run_dir: Path, group: Any
@@ -518,7 +486,8 @@ def commit_checkpoint(collector: Any, config: CheckpointConfig, staged: Staged, 
     if rank == 0:
         agreement = _agreement(collector, staged, reports)
         outcome = _publish(collector, reports, layout=layout, versions=versions, step=step, tmp=tmp, final=final,
-                           fire=fire, pieces=pieces, agreement=agreement, determinism=staged.determinism)
+                           fire=fire, pieces=pieces, agreement=agreement, determinism=staged.determinism,
+                           global_batch=staged.global_batch)
         if not outcome[0]:
             partial = _tree_size(tmp)  # before any rank removes its files: what the failed save left
     outcomes: list[Any] = [None] * world
@@ -578,6 +547,7 @@ def _discard(
 def _publish(
     collector: Any, reports: list[Any], *, layout: Layout, versions: Versions, step: int, tmp: Path, final: Path,
     fire: Any, pieces: tuple[tuple[str, str], ...] = (), agreement: str = "", determinism: str = "",
+    global_batch: int | None = None,
 ) -> tuple[bool, str]:
     """Rank 0: write the manifest and make the checkpoint visible, only if every rank reported its files."""
     ckpt = checkpoint_id(step)
@@ -593,6 +563,7 @@ def _publish(
                 checkpoint_id=ckpt, step=step, world_size=layout.world_size, layout=layout, versions=versions,
                 files=tuple(sorted((f for r in reports for f in r.files), key=lambda f: f.path)),
                 created_wall_ns=time.time_ns(), pieces=pieces, agreement=agreement, determinism=determinism,
+                global_batch=global_batch,
             )
             data = manifest.to_json().encode()
             rec.bytes = len(data)
@@ -653,7 +624,7 @@ def load_checkpoint(
     """Restore model, optimizer and this rank's RNG states from `candidate`; returns the data position and the
     rest of the per-rank state. Collective over `group`. With `verify`, the ranks split the manifest's files,
     check their SHA-256 and agree on the result before anything is loaded (ValueError if any is damaged).
-    `state_key` as `save_checkpoint` was given it. With one `state_key` for every rank, a checkpoint saved by
+    `state_key` as `stage_checkpoint` was given it. With one `state_key` for every rank, a checkpoint saved by
     another data-parallel degree (same tp and pp) loads too: DCP reads each tensor for the new sharding, and rank r
     takes the rank file of old rank r mod the old world size (its RNG states, data position and fingerprints; the job
     re-plans its data over the new replicas, and lineage marks the resume CHANGED)."""

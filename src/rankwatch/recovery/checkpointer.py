@@ -85,8 +85,8 @@ from rankwatch.recovery.job import FROM_START, LAYOUT_ENV, REPLAY_BASIS_ENV, RES
 from rankwatch.recovery.lineage import comparability_of_resume, inputs_json
 from rankwatch.recovery.resume import FROM_INITIALIZATION, GateRefused, last_completed_step, plan, record_resume
 
-__all__ = ["STATE_KEY", "Checkpointer", "RngScope", "Stateful", "agreement_of", "gate_domains", "job_layout",
-           "job_versions"]
+__all__ = ["STATE_KEY", "Checkpointer", "RngScope", "Stateful", "Vote", "agreement_of", "agreement_over", "gate_domains",
+           "job_layout", "job_versions"]
 
 STATE_KEY = "state"
 """The DCP key of model and optimizer, the same on every rank."""
@@ -243,12 +243,17 @@ def agreement_of(votes: Sequence[Vote | None], *, rng: Sequence[Field]) -> str:
     no other rank may hold a copy of under sharding, which resuming would carry on). A save the ranks disagreed on
     is never a recovery point (the gate would refuse most of them at the resume anyway) and retention keeps the
     last one they agreed on. Pure."""
+    present = [v for v in votes if v is not None]
+    return agreement_over(votes, gate_domains([v[1] for v in present], world_size=len(votes), rng=rng))
+
+
+def agreement_over(votes: Sequence[Vote | None], domains: Sequence[Domain]) -> str:
+    """`agreement_of` over the given gate domains (a job whose gate is its own: the canary's). Pure."""
     missing = [r for r, v in enumerate(votes) if v is None]
     if missing:
         return f"{DISAGREED} no vote from ranks {missing}"
     present = [v for v in votes if v is not None]
-    outcomes = [judge(d, [v[0] for v in present])
-                for d in gate_domains([v[1] for v in present], world_size=len(votes), rng=rng)]
+    outcomes = [judge(d, [v[0] for v in present]) for d in domains]
     why = [o.message().removeprefix("consistency gate ") for o in outcomes if o.verdict is not GateVerdict.AGREE]
     why += [f"rank {v[0].rank} holds non-finite values ({v[2][0]} in its parameters, {v[2][1]} in its optimizer "
             "state)" for v in present if v[2][0] or v[2][1]]
@@ -263,14 +268,20 @@ class Checkpointer:
                  lr_scheduler: Any, grad_scaler: Any, data: Stateful | None,
                  rng: RngScope | str | Mapping[str, RngScope | str], every: int,
                  keep_last: int = 3, mesh: Any = None, config: Mapping[str, Any] | None = None, seed: int = 0,
-                 run_dir: str | Path | None = None, group: Any = None, async_save: bool = False) -> None:
+                 run_dir: str | Path | None = None, group: Any = None, async_save: bool = False,
+                 global_batch: int | None = None) -> None:
         """`collector`: the attached collector (its rank, world size, attempt and run directory; a `NullCollector`
         works with `run_dir`). `every`: save after each `every`-th step (`after_step`); 0 saves only when `save` is
         called. `mesh`: the DeviceMesh the layout is read from. `config`: the job's settings that change its numerics
         (hashed into the manifest: a resume under another config is marked CHANGED in the lineage). `group`: the
         world group (default: torch's default group). `async_save`: a save copies the state at its step and writes
         and commits it on a thread of its own, over a gloo process group of its own (built here: a collective), while
-        training goes on (see `save`)."""
+        training goes on (see `save`). `global_batch`: the samples per optimizer step across the job, where the
+        job says (recorded in each manifest; a resume on another world records old and new in the lineage, so a
+        data-parallel job that goes on with fewer replicas says whether it kept its global batch)."""
+        if global_batch is not None and global_batch < 1:
+            raise ValueError(f"rankwatch.recovery.Checkpointer: global_batch must be >= 1, got {global_batch}")
+        self._global_batch = global_batch
         self._collector = collector
         self._model = model
         self._optimizer = optimizer
@@ -383,7 +394,7 @@ class Checkpointer:
             optimizer=self._optimizer, data_position=-1, versions=self._versions, lr_scheduler=self._scheduler,
             grad_scaler=self._scaler, state_key=STATE_KEY, rank_extra=extra, pieces=pieces)  # the position: in `data`
         staged = replace(staged, vote=self._vote(step, extra["saved"]), judge=self._judge,
-                         determinism=inputs_json(self.determinism()))
+                         determinism=inputs_json(self.determinism()), global_batch=self._global_batch)
         if not self._async:
             result = commit_checkpoint(self._collector, self._config, staged, run_dir=self.run_dir, group=self._group)
             self.last_save = result
@@ -521,7 +532,8 @@ class Checkpointer:
                                               determinism_changes=changes)
             record_resume(self.run_dir, attempt=self.attempt, resume_at=m.step + 1, checkpoint_id=m.checkpoint_id,
                           verdict=verdict, old_world_size=m.world_size, new_world_size=self.world_size,
-                          old_layout=m.layout, new_layout=self.layout, determinism=inputs_json(now_inputs))
+                          old_layout=m.layout, new_layout=self.layout, determinism=inputs_json(now_inputs),
+                          old_global_batch=m.global_batch, new_global_batch=self._global_batch)
         return loaded.step + 1
 
     def _choose(self) -> Any:

@@ -91,6 +91,12 @@ class Details:
     text: str = ""
     attempt: int | None = None
     """The launch attempt the entry is about (a resume's, or the replay a REPLAY_VERIFIED entry checked)."""
+    old_global_batch: int | None = None
+    """At WORLD_SIZE_CHANGE: the samples per optimizer step across the job before the change, where the job declared
+    them (`recovery.Checkpointer(global_batch=...)`). Left out of the hashed body when None, as `determinism`."""
+    new_global_batch: int | None = None
+    """... and after it: a data-parallel job that goes on with fewer replicas keeps its global batch (re-split) or
+    its per-rank batch (the global one shrinks); the lineage says which."""
     determinism: str | None = None
     """At RESTART / ROLLBACK: the attempt's determinism inputs (`recovery.determinism.DeterminismInputs`) as canonical
     JSON. Left out of an entry's hashed body when None, so entries written before it existed still verify."""
@@ -178,7 +184,7 @@ class Entry:
         )
 
 
-_OPTIONAL_DETAILS = frozenset({"attempt", "determinism"})
+_OPTIONAL_DETAILS = frozenset({"attempt", "determinism", "old_global_batch", "new_global_batch"})
 """Details fields added after lineage files existed: in the hashed body only when set."""
 
 

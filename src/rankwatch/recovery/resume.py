@@ -143,7 +143,8 @@ checkpoint was ever committed)."""
 
 def record_resume(run_dir: Path, *, attempt: int, resume_at: int, checkpoint_id: str, verdict: Comparability,
                   old_world_size: int, new_world_size: int, old_layout: Layout, new_layout: Layout,
-                  determinism: str | None = None) -> None:
+                  determinism: str | None = None, old_global_batch: int | None = None,
+                  new_global_batch: int | None = None) -> None:
     """Append a resume's lineage (rank 0, after the gate agreed): ROLLBACK plus REPLAYED_DATA_RANGE when an earlier
     attempt had completed steps at or past `resume_at` (they are trained again), else RESTART; then
     WORLD_SIZE_CHANGE and LAYOUT_CHANGE where those changed. `checkpoint_id` is the checkpoint loaded, or
@@ -162,9 +163,14 @@ def record_resume(run_dir: Path, *, attempt: int, resume_at: int, checkpoint_id:
             from_step=previous, to_step=resume_at, checkpoint_id=checkpoint_id, determinism=determinism,
             attempt=attempt, text=f"attempt {attempt} restarts from {checkpoint_id}")))
     if old_world_size != new_world_size:
+        batch = ""
+        if old_global_batch is not None and new_global_batch is not None:
+            batch = (f"; global batch {old_global_batch} -> {new_global_batch} samples a step" +
+                     (" (kept: re-split over the ranks)" if old_global_batch == new_global_batch else ""))
         book.append(NewEntry(kind=EntryKind.WORLD_SIZE_CHANGE, verdict=verdict, details=Details(
             old_world_size=old_world_size, new_world_size=new_world_size, checkpoint_id=checkpoint_id,
-            attempt=attempt)))
+            attempt=attempt, old_global_batch=old_global_batch, new_global_batch=new_global_batch,
+            text=f"attempt {attempt}: world {old_world_size} -> {new_world_size}{batch}")))
     if old_layout != new_layout:
         book.append(NewEntry(kind=EntryKind.LAYOUT_CHANGE, verdict=verdict, details=Details(
             old_layout=str(old_layout), new_layout=str(new_layout), checkpoint_id=checkpoint_id, attempt=attempt)))
