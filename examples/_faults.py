@@ -4,7 +4,7 @@
     faults.watch(optimizer)          # for the gradient bit flip: a hook before each optimizer step
     for step in range(steps):
         with rw.step(step):
-            faults.inject(step)
+            faults.inject(step, data)
             ...
 
 - ``FAULT_SLEEP_RANK`` / ``FAULT_SLEEP_MS``: that rank sleeps that long inside every step (a straggler);
@@ -12,6 +12,10 @@
   at that step;
 - ``FAULT_RNG_SKEW_RANK`` / ``FAULT_RNG_SKEW_STEP``: that rank draws one extra ``torch.rand`` at that step, so its
   global RNG stream departs from its replicas' from then on (a divergence);
+- ``FAULT_HANG_RANK`` / ``FAULT_HANG_STEP``: that rank stops making progress inside that step (it sleeps until it
+  is stopped; its collector's threads go on beating): a hang its peers then wait for in their next collective;
+- ``FAULT_DATA_SKEW_RANK`` / ``FAULT_DATA_SKEW_STEP``: that rank's data stream skips one batch at that step, so its
+  data position departs from its replicas' from then on (a divergence);
 - ``FAULT_BITFLIP_RANK`` / ``FAULT_BITFLIP_STEP``: at that step, after the backward (after DDP's all-reduce, FSDP2's
   reduce-scatter) and before the optimizer step, that rank flips bit 30 (the top exponent bit of a float32) of the
   first element of the first gradient it holds a piece of: silent corruption of one device's value;
@@ -58,6 +62,10 @@ class Faults:
     """The step at which this rank flips a gradient bit before the optimizer step (None: never)."""
     device_step: int | None = None
     """The step at which this rank's device fails (None: not this rank's device)."""
+    hang_step: int | None = None
+    """The step in which this rank stops making progress (None: never)."""
+    data_skew_step: int | None = None
+    """The step at which this rank's data stream skips a batch (None: never)."""
     step: int = field(default=-1, init=False)
 
     @classmethod
@@ -72,6 +80,8 @@ class Faults:
             skew_step=_int(env, "FAULT_RNG_SKEW_STEP") if _int(env, "FAULT_RNG_SKEW_RANK") == rank else None,
             flip_step=_int(env, "FAULT_BITFLIP_STEP") if _int(env, "FAULT_BITFLIP_RANK") == rank else None,
             device_step=_int(env, "FAULT_DEVICE_STEP") if bad and _device(env) == bad else None,
+            hang_step=_int(env, "FAULT_HANG_STEP") if _int(env, "FAULT_HANG_RANK") == rank else None,
+            data_skew_step=_int(env, "FAULT_DATA_SKEW_STEP") if _int(env, "FAULT_DATA_SKEW_RANK") == rank else None,
         )
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
@@ -92,9 +102,15 @@ class Faults:
                     local.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 30)
                     return
 
-    def inject(self, step: int) -> None:
-        """Apply this rank's faults for `step`; call it inside the step."""
+    def inject(self, step: int, data: Any = None) -> None:
+        """Apply this rank's faults for `step`; call it inside the step, before the batch is drawn from `data` (the
+        job's data stream: the data skew draws one batch from it and drops it)."""
         self.step = step
+        if step == self.data_skew_step and data is not None:
+            next(data)
+        if step == self.hang_step:
+            while True:  # no progress; the signal that stops the job ends the sleep
+                time.sleep(1.0)
         if self.sleep_s:
             time.sleep(self.sleep_s)
         if step == self.skew_step:

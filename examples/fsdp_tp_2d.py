@@ -156,10 +156,12 @@ def main() -> None:
 
     numerics = {k: v for k, v in vars(args).items()
                 if k not in ("steps", "warmup", "save_every", "resume", "async_save")}
+    global_batch = args.batch_size * mesh['dp'].size()  # samples a step: every replica's batch
     ckpt = recovery.Checkpointer(rw, model, optimizer, lr_scheduler=None, grad_scaler=None, data=data,  # rankwatch
                                  rng={"torch": "per_rank" if args.per_rank_seed else "replicated"},  # rankwatch
                                  every=args.save_every, mesh=mesh, config=numerics,  # rankwatch
-                                 global_batch=args.batch_size * mesh['dp'].size(),  # rankwatch
+                                 global_batch=global_batch,  # rankwatch
+                                 position=lambda: data.position * global_batch,  # rankwatch
                                  async_save=args.async_save)  # rankwatch
     first = ckpt.resume() if args.resume else 0  # rankwatch
 
@@ -168,14 +170,15 @@ def main() -> None:
         if step == first + args.warmup:
             started = time.perf_counter()
         with rw.step(step):  # rankwatch
-            faults.inject(step)
+            faults.inject(step, data)
             x, y = next(data)
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
         if args.fingerprint_every and step % args.fingerprint_every == 0:  # rankwatch
-            rw.maybe_fingerprint(step, model, optimizer, force=True)  # rankwatch
+            rw.maybe_fingerprint(step, model, optimizer, data_position=data.position * global_batch,  # rankwatch
+                                 force=True)  # rankwatch
         ckpt.after_step(step)  # rankwatch
         if rank == 0 and step % 20 == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)

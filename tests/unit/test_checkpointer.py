@@ -122,6 +122,10 @@ def test_a_save_is_judged_by_the_gates_own_domains() -> None:
     assert agreement_of(sharded, rng=()) == (f"{DISAGREED} rank 1 holds non-finite values (0 in its parameters, 1 in "
                                               "its optimizer state)")
     assert agreement_of([same[0], None, same[2], same[3]], rng=()) == f"{DISAGREED} no vote from ranks [1]"
+    # a data position the job gives must agree across the world (one rank's stream skipped a batch)
+    ahead = [(replace(v[0], data_position=64 if v[0].rank == 3 else 32), *v[1:]) for v in same]
+    assert agreement_of(ahead, rng=()) == AGREED  # none given: not compared
+    assert "ranks [3] differ in data_position" in agreement_of(ahead, rng=(), position=True)
 
 
 def test_the_canarys_saves_are_judged_by_its_own_gate() -> None:

@@ -102,15 +102,18 @@ def detect_corruption(frames: Frames, config: CorruptionConfig = CorruptionConfi
     incident upgraded to `HARDWARE_ERROR` when a new device error corroborates it."""
     hw = hardware_errors(frames)
     found: list[tuple[Incident, int | None]] = list(_value_mismatch(frames, config))
-    found += list(_non_finite_state(frames, config))
     found += [(inc, None) for inc in (*_non_finite(frames, config), *_outliers(frames, config))]
+    # the fingerprints' non-finite state last: the coarsest trace (once per fingerprint), and every replica's when
+    # a corrupted gradient was all-reduced, which the per-step traces above may already have blamed on its rank
+    found += list(_non_finite_state(frames, config))
     return tuple(_corroborate(inc, hw, lo, config) for inc, lo in _one_per_fault(found))
 
 
 def _one_per_fault(found: list[tuple[Incident, int | None]]) -> list[tuple[Incident, int | None]]:
-    """One incident per fault: a later trace (in the order value mismatch, non-finite, gradient norm, loss) on
-    ranks an earlier incident already names is the same fault seen again (a flipped parameter also moves the
-    rank's gradient norm; a rank goes non-finite after blipping); it is folded into that incident's evidence."""
+    """One incident per fault: a later trace (in the order value mismatch, non-finite, gradient norm, loss,
+    non-finite state) on ranks an earlier incident already names is the same fault seen again (a flipped parameter
+    also moves the rank's gradient norm; a rank goes non-finite after blipping; a corrupted gradient all-reduced
+    leaves every replica's optimizer state infinite); it is folded into that incident's evidence."""
     out: list[tuple[Incident, int | None]] = []
     for inc, lo in found:
         into = next((i for i, (o, _) in enumerate(out) if set(o.ranks) & set(inc.ranks)), None)

@@ -368,6 +368,9 @@ class CollectiveTracker:
         self._late: list[_Open] = []
         """Operations of finished steps (or outside steps) that had not exited, or whose device marks had not
         completed, when the writer came to them: retried at every drain."""
+        self._calling: _Open | None = None
+        """The call that issues collectives from C++ the training thread is inside, if any (`enter_call`): what
+        the liveness record says the rank waits in while none of its own operations is open."""
         self._orphans: list[_Open] = []
         """Device-timed operations of dropped steps that had not exited: their exit may still take an end mark,
         returned to the pool once they exit (no row)."""
@@ -783,7 +786,25 @@ class CollectiveTracker:
             yield Table.COLLECTIVES, row
 
     def oldest_open(self) -> _Open | None:
-        """The operation open the longest, as a copy (the caller reads it after the record may be reused)."""
+        """The operation open the longest, as a copy (the caller reads it after the record may be reused); else the
+        call issuing collectives from C++ the training thread is inside (`enter_call`)."""
         with self._lock:
             opened = self._open_now()
-            return min(opened, key=_entry_order)._copy() if opened else None
+            return min(opened, key=_entry_order)._copy() if opened else self._calling
+
+    def enter_call(self, op: str, group: Any) -> None:
+        """The training thread enters a call that issues collectives from C++ and is recorded only once it returns
+        (`collector.ddp.wrap_internal`: DDP's buffer broadcast in every forward). Until `exit_call`, a rank blocked
+        inside it reads as waiting in `op` on `group` (its sequence number unknown: null), not as stuck outside
+        any collective, which would make it a hang's suspect beside the rank its peers really wait for. Never
+        raises."""
+        try:
+            o: _Open = _alloc(_Open)
+            o.op, o.group, o.group_seq, o.peer, o.async_op = op, self.info(group), None, None, False  # type: ignore[assignment]
+            o.enter_mono, o.exit_mono = _mono(), None
+            self._calling = o
+        except Exception as exc:
+            self._on_internal("enter_call", exc)
+
+    def exit_call(self) -> None:
+        self._calling = None

@@ -106,7 +106,11 @@ def wrap_internal(collector: Any, fn: Callable[..., Any], op: str,
         except Exception:
             return fn(*args, **kwargs)
         t0 = time.monotonic_ns()
-        result = fn(*args, **kwargs)
+        collector.tracker.enter_call(op, pg)  # while blocked inside, the rank waits in `op` (liveness)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            collector.tracker.exit_call()
         t1 = time.monotonic_ns()
         try:
             _record(collector, pg, op, t0, t1, seq0, _seq(pg), _tensor_bytes(args))

@@ -56,7 +56,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from enum import StrEnum
 from pathlib import Path
@@ -219,11 +219,13 @@ def determinism_changes(manifest: Any, now: DeterminismInputs) -> tuple[str, ...
     return DeterminismInputs.from_dict(doc, where=where).changes(now)
 
 
-def gate_domains(members: Sequence[Sequence[int]], *, world_size: int, rng: Sequence[Field]) -> list[Domain]:
+def gate_domains(members: Sequence[Sequence[int]], *, world_size: int, rng: Sequence[Field],
+                 position: bool = False) -> list[Domain]:
     """The gate's domains from each rank's consistency-domain members (`consistency_domain`, in rank order): the
-    world on the step and the RNG streams declared replicated (`rng`); each domain of two or more ranks on
-    parameters and optimizer state."""
-    domains = [Domain(name="world", ranks=tuple(range(world_size)), fields=(Field.STEP, *rng))]
+    world on the step, the RNG streams declared replicated (`rng`) and, where the job gives one (`position`), its
+    data position; each domain of two or more ranks on parameters and optimizer state."""
+    world = (Field.STEP, *rng, *((Field.DATA_POSITION,) if position else ()))
+    domains = [Domain(name="world", ranks=tuple(range(world_size)), fields=world)]
     seen: set[tuple[int, ...]] = set()
     for ranks in members:
         if len(ranks) > 1 and tuple(ranks) not in seen:
@@ -237,14 +239,15 @@ Vote = tuple[RankState, Sequence[int], tuple[int, int]]
 non-finite elements in the parameters and the optimizer state it holds (`fingerprint.nonfinite_counts`)."""
 
 
-def agreement_of(votes: Sequence[Vote | None], *, rng: Sequence[Field]) -> str:
+def agreement_of(votes: Sequence[Vote | None], *, rng: Sequence[Field], position: bool = False) -> str:
     """`Manifest.agreement` of a save from every rank's vote (rank order; None from a rank that sent none): the
     resume gate's domains and fields (`gate_domains`) judged at the save, and no rank holding a NaN or inf (a value
     no other rank may hold a copy of under sharding, which resuming would carry on). A save the ranks disagreed on
     is never a recovery point (the gate would refuse most of them at the resume anyway) and retention keeps the
     last one they agreed on. Pure."""
     present = [v for v in votes if v is not None]
-    return agreement_over(votes, gate_domains([v[1] for v in present], world_size=len(votes), rng=rng))
+    return agreement_over(votes, gate_domains([v[1] for v in present], world_size=len(votes), rng=rng,
+                                              position=position))
 
 
 def agreement_over(votes: Sequence[Vote | None], domains: Sequence[Domain]) -> str:
@@ -269,7 +272,7 @@ class Checkpointer:
                  rng: RngScope | str | Mapping[str, RngScope | str], every: int,
                  keep_last: int = 3, mesh: Any = None, config: Mapping[str, Any] | None = None, seed: int = 0,
                  run_dir: str | Path | None = None, group: Any = None, async_save: bool = False,
-                 global_batch: int | None = None) -> None:
+                 global_batch: int | None = None, position: Callable[[], int] | None = None) -> None:
         """`collector`: the attached collector (its rank, world size, attempt and run directory; a `NullCollector`
         works with `run_dir`). `every`: save after each `every`-th step (`after_step`); 0 saves only when `save` is
         called. `mesh`: the DeviceMesh the layout is read from. `config`: the job's settings that change its numerics
@@ -278,7 +281,12 @@ class Checkpointer:
         and commits it on a thread of its own, over a gloo process group of its own (built here: a collective), while
         training goes on (see `save`). `global_batch`: the samples per optimizer step across the job, where the
         job says (recorded in each manifest; a resume on another world records old and new in the lineage, so a
-        data-parallel job that goes on with fewer replicas says whether it kept its global batch)."""
+        data-parallel job that goes on with fewer replicas says whether it kept its global batch).
+        `position`: the job's data position as a number every rank must agree on (the samples the job consumed:
+        the global batch times the batches its stream gave), where the job has one: compared across the ranks at
+        every save and at the resume gate, so a rank whose stream ran ahead or behind makes its saves disagreed.
+        `data`'s own state is per rank (each rank's stream) and is checked only against what that rank saved."""
+        self._position = position
         if global_batch is not None and global_batch < 1:
             raise ValueError(f"rankwatch.recovery.Checkpointer: global_batch must be >= 1, got {global_batch}")
         self._global_batch = global_batch
@@ -422,17 +430,27 @@ class Checkpointer:
     def _vote(self, step: int, saved: Mapping[str, str | None]) -> Vote:
         """This rank's word at a save of `step` (`Vote`)."""
         _, members = consistency_domain(self._model, self.rank, self.world_size)
-        state = RankState(rank=self.rank, step=step, data_position=-1, param=str(saved["param"]),
+        state = RankState(rank=self.rank, step=step, data_position=self._position_now(), param=str(saved["param"]),
                           optim=str(saved["optim"]), rng_python=str(saved["rng_python"]),
                           rng_numpy=str(saved["rng_numpy"]), rng_torch=str(saved["rng_torch"]),
                           rng_cuda=saved["rng_cuda"])
         return state, tuple(members), nonfinite_counts(self._model, self._optimizer)
 
     def _judge(self, votes: Sequence[Any]) -> str:
-        return agreement_of(votes, rng=self._rng_fields)
+        return agreement_of(votes, rng=self._rng_fields, position=self._position is not None)
 
     def _domains(self, members: Sequence[Sequence[int]]) -> list[Domain]:
-        return gate_domains(members, world_size=self.world_size, rng=self._rng_fields)
+        return gate_domains(members, world_size=self.world_size, rng=self._rng_fields,
+                            position=self._position is not None)
+
+    def _position_now(self) -> int:
+        """`position()` now; -1 where the job gives none, or where it raised (then this rank disagrees)."""
+        if self._position is None:
+            return -1
+        try:
+            return int(self._position())
+        except Exception:
+            return -1
 
     def _commit(self, staged: Staged) -> None:
         try:
@@ -588,7 +606,7 @@ class Checkpointer:
             self._collector.event(EventKind.RECOVERY, message=f"consistency gate: restore check failed: {text}"[:1000])
             raise GateRefused(f"refusing to train: restore check failed: {text}"[:500])
         domains = self._domains([dranks for _, _, dranks in reports])
-        state = RankState(rank=self.rank, step=step, data_position=-1, param=str(now["param"]),
+        state = RankState(rank=self.rank, step=step, data_position=self._position_now(), param=str(now["param"]),
                           optim=str(now["optim"]), rng_python=str(now["rng_python"]),
                           rng_numpy=str(now["rng_numpy"]), rng_torch=str(now["rng_torch"]), rng_cuda=now["rng_cuda"])
         outcomes = run_gate(state, domains=domains, group=self._group, world_size=self.world_size)

@@ -92,10 +92,13 @@ EXAMPLE_FAULTS: dict[str, tuple[tuple[str, str], ...]] = {
     "straggler": (("FAULT_SLEEP_RANK", "2"), ("FAULT_SLEEP_MS", "80")),
     "skew_rng": (("FAULT_RNG_SKEW_RANK", str(VICTIM)), ("FAULT_RNG_SKEW_STEP", str(FAULT_AFTER + 1))),
     "bitflip": (("FAULT_BITFLIP_RANK", str(VICTIM)), ("FAULT_BITFLIP_STEP", str(FAULT_AFTER + 1))),
+    "hang": (("FAULT_HANG_RANK", str(VICTIM)), ("FAULT_HANG_STEP", str(FAULT_AFTER + 1))),
+    "skew_data": (("FAULT_DATA_SKEW_RANK", str(VICTIM)), ("FAULT_DATA_SKEW_STEP", str(FAULT_AFTER + 1))),
 }
 """The drills whose fault is inside the job, as the examples' own fault variables (examples/_faults.py): rank 1
 raises at step 23 (its exit a fail-stop), rank 2 sleeps 80 ms a step (from the start), rank 1 draws one extra
-random number at step 23, rank 1 flips a gradient bit before its step-23 optimizer step."""
+random number at step 23, rank 1 flips a gradient bit before its step-23 optimizer step, rank 1 stops making progress
+in step 23 (its collector beating on), rank 1's data stream skips a batch at step 23."""
 
 EXAMPLE_MACHINE_FAULTS: dict[str, tuple[tuple[str, str], ...]] = {
     "failing_device": (("FAULT_DEVICE", str(VICTIM)), ("FAULT_DEVICE_STEP", str(FAULT_AFTER + 1))),
@@ -106,8 +109,8 @@ EXAMPLE_MACHINE_FAULTS: dict[str, tuple[tuple[str, str], ...]] = {
 WORLD = 4
 """The examples' ranks in a drill (torchrun --nproc-per-node)."""
 
-EXAMPLE_DRILLS = ("sigkill", "sigstop", "exit", "straggler", "skew_rng", "bitflip", "corrupt_manifest",
-                  "corrupt_shard", "full_storage", "failing_device")
+EXAMPLE_DRILLS = ("sigkill", "exit", "sigstop", "hang", "straggler", "bitflip", "skew_rng", "skew_data",
+                  "corrupt_manifest", "corrupt_shard", "failing_device", "full_storage")
 """The drills an example takes: those from outside the job, and those its fault variables inject."""
 
 _EXAMPLE_ARGS = ("--steps", str(STEPS), "--save-every", "10", "--fingerprint-every", "10", "--resume")
@@ -164,6 +167,10 @@ def example_target(example: str | Path) -> DrillTarget:
                                "failing_device": f"device {VICTIM} of the job's visibility list (0-5, two spares) "
                                                  f"raises a CUDA ECC error at step {FAULT_AFTER + 1} under whichever "
                                                  "rank is placed on it, every attempt (FAULT_DEVICE*)",
+                               "hang": f"rank {VICTIM} stops making progress in step {FAULT_AFTER + 1}, its collector "
+                                       "beating on (FAULT_HANG_*)",
+                               "skew_data": f"rank {VICTIM}'s data stream skips one batch at step {FAULT_AFTER + 1} "
+                                            "(FAULT_DATA_SKEW_*)",
                                "bitflip": f"bit 30 of the first gradient element rank {VICTIM} holds flipped after "
                                           f"the backward of step {FAULT_AFTER + 1}, before its optimizer step "
                                           "(FAULT_BITFLIP_*)"},
