@@ -222,6 +222,7 @@ class Monitor:
             else:
                 self._say(f"[live] resolved: {inc.klass} {inc.subject}")
         analyzed = False
+        kept: tuple[Incident, ...] | None = None
         if time.monotonic() >= self._next_refresh:
             self._next_refresh = time.monotonic() + self.every
             new_parts = self.live.refresh()
@@ -236,7 +237,8 @@ class Monitor:
                 analyzed = True
                 self._warnings(analysis.warnings)
                 self.window_incidents = analysis.incidents
-                fresh = self._fresh(self._uncontradicted(self.window_incidents, view), view.incidents)
+                kept = self._uncontradicted(self.window_incidents, view)
+                fresh = self._fresh(kept, view.incidents)
                 self._note("parts", fresh, time.monotonic())
                 took = sum(s for _, s in analysis.seconds)
                 steps = ("no completed step" if analysis.first_step < 0
@@ -247,8 +249,9 @@ class Monitor:
                     self._say(render_incidents(fresh, width=shutil.get_terminal_size((120, 24)).columns))
             self.ticks += 1
         if self._alerts is not None:
-            confirmed = [i for i in self._uncontradicted(self.window_incidents, view)
-                         if not any(same_fault(v, i) for v in view.incidents)]
+            if kept is None:  # no analysis this tick: the window's incidents against this poll
+                kept = self._uncontradicted(self.window_incidents, view)
+            confirmed = [i for i in kept if not any(same_fault(v, i) for v in view.incidents)]
             # liveness incidents come every poll, the window's with each analysis: absence is counted in analyses
             self._alerts.tick([*view.incidents, *confirmed], topology(self.live.con), analyzed=analyzed)
 

@@ -427,14 +427,17 @@ class Checkpointer:
             bucket_cap_mb=round(cap / (1024 * 1024)) if cap else DDP_BUCKET_CAP_MB,
             gradient_as_bucket_view=bool(getattr(ddp, "gradient_as_bucket_view", False)))
 
+    def _state(self, step: int, hashes: Mapping[str, str | None]) -> RankState:
+        """What this rank holds at `step` as the gate compares it, from `_hashes`."""
+        return RankState(rank=self.rank, step=step, data_position=self._position_now(), param=str(hashes["param"]),
+                         optim=str(hashes["optim"]), rng_python=str(hashes["rng_python"]),
+                         rng_numpy=str(hashes["rng_numpy"]), rng_torch=str(hashes["rng_torch"]),
+                         rng_cuda=hashes["rng_cuda"])
+
     def _vote(self, step: int, saved: Mapping[str, str | None]) -> Vote:
         """This rank's word at a save of `step` (`Vote`)."""
         _, members = consistency_domain(self._model, self.rank, self.world_size)
-        state = RankState(rank=self.rank, step=step, data_position=self._position_now(), param=str(saved["param"]),
-                          optim=str(saved["optim"]), rng_python=str(saved["rng_python"]),
-                          rng_numpy=str(saved["rng_numpy"]), rng_torch=str(saved["rng_torch"]),
-                          rng_cuda=saved["rng_cuda"])
-        return state, tuple(members), nonfinite_counts(self._model, self._optimizer)
+        return self._state(step, saved), tuple(members), nonfinite_counts(self._model, self._optimizer)
 
     def _judge(self, votes: Sequence[Any]) -> str:
         return agreement_of(votes, rng=self._rng_fields, position=self._position is not None)
@@ -606,10 +609,7 @@ class Checkpointer:
             self._collector.event(EventKind.RECOVERY, message=f"consistency gate: restore check failed: {text}"[:1000])
             raise GateRefused(f"refusing to train: restore check failed: {text}"[:500])
         domains = self._domains([dranks for _, _, dranks in reports])
-        state = RankState(rank=self.rank, step=step, data_position=self._position_now(), param=str(now["param"]),
-                          optim=str(now["optim"]), rng_python=str(now["rng_python"]),
-                          rng_numpy=str(now["rng_numpy"]), rng_torch=str(now["rng_torch"]), rng_cuda=now["rng_cuda"])
-        outcomes = run_gate(state, domains=domains, group=self._group, world_size=self.world_size)
+        outcomes = run_gate(self._state(step, now), domains=domains, group=self._group, world_size=self.world_size)
         for o in outcomes:
             if self.rank == min(o.ranks):
                 self._collector.event(EventKind.RECOVERY, message=o.message()[:1000])
