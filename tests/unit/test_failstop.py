@@ -292,3 +292,50 @@ def test_a_group_that_completed_later_steps_proves_its_members_got_past_a_wait_s
     frames = Frames.build(steps=_steps(last), liveness=_liveness(last, seen), open_collectives=opened, groups=groups,
                           group_transfer=done.filter(pl.col("step") <= 10), end_wall_ns=20 * S)
     assert [(i.subject.kind, i.subject.id) for i in detect_failstops(frames)] == [(SubjectKind.RANK, "1")]
+
+
+def _world_op(rank: int, t: float, *, error_at: float | None = None) -> dict[str, object]:
+    return {"rank": rank, "step": 10, "op": "all_reduce", "group": "world", "group_ranks": [0, 1, 2, 3],
+            "group_seq": 90, "enter_wall_ns": int(t * S),
+            **({"exit_wall_ns": int(error_at * S), "error": "Connection closed by peer"} if error_at else {})}
+
+
+def _stopped_by_launcher(stop: float, *, killed: int | None = None) -> pl.DataFrame:
+    """Exit records as `rankwatch torchrun`'s agent writes them: every rank got the launcher's SIGTERM at `stop`
+    (but `killed`, SIGKILLed from elsewhere before it: no outside signal)."""
+    return pl.DataFrame([
+        {"rank": r, "attempt": 0, "wall_ns": int((stop + 0.1) * S), "exit_code": 0, "signal": None,
+         "outside_signal": 15, "outside_signal_wall_ns": int((stop + 0.001 * r) * S)} if r != killed else
+        {"rank": r, "attempt": 0, "wall_ns": int((stop - 0.5) * S), "exit_code": None, "signal": 9,
+         "outside_signal": None, "outside_signal_wall_ns": None}
+        for r in range(4)])
+
+
+def _manager_stops_a_hang(stop: float) -> dict[str, object]:
+    """Found in the hang drill on the DDP example (issue 31): rank 1 hung at the start of step 10 and ranks 0, 2 and
+    3 waited in the step's all_reduce for it; the recovery manager stopped the job at `stop` (rank 1's SIGTERM handler
+    ran at once, its peers' only when its exit broke their all_reduce); rank 2's all_reduce failed after the stop,
+    and only its rows say so: ranks 0 and 3 were inside the all_reduce by their liveness records alone."""
+    events = [_ev(1, "signal", stop, signal=15), _ev(1, "exit", stop + 0.002, exit_code=143),
+              *[_ev(r, "signal", stop + 0.04, signal=15) for r in (0, 3)],
+              *[_ev(r, "exit", stop + 0.045, exit_code=143) for r in (0, 3)],
+              _ev(2, "exception", stop + 0.075, exc_type="RuntimeError", collective_op="all_reduce",
+                  collective_group="world", collective_seq=90, message="Connection closed by peer [127.0.0.1]:1234"),
+              _ev(2, "signal", stop + 0.076, signal=15), _ev(2, "exit", stop + 0.078, exit_code=143)]
+    return dict(steps=_steps(LAST), liveness=_liveness(LAST, {r: stop + 0.08 for r in range(4)}),
+                groups=pl.DataFrame([{"group": "world", "kind": "dp", "ranks": [0, 1, 2, 3]}]),
+                collective_errors=pl.DataFrame([_world_op(2, 10.1, error_at=stop + 0.075)]),
+                open_collectives=pl.DataFrame([_world_op(r, 10.1) for r in (0, 3)]),
+                events=pl.DataFrame(events), end_wall_ns=int((stop + 0.1) * S))
+
+
+def test_what_follows_the_launchers_stop_of_every_rank_is_its_consequence_not_evidence() -> None:
+    # stopped 2 s into the hang (less than a stall): nothing before the stop shows a culprit; the job was stopped
+    (inc,) = detect_failstops(Frames.build(**_manager_stops_a_hang(12.0), exits=_stopped_by_launcher(12.0)))
+    assert (inc.klass, inc.subject.kind, inc.cause) == (IncidentClass.FAIL_STOP, SubjectKind.JOB, Cause.SIGNAL)
+    # stopped 20 s into it: every other rank was waiting on rank 1 when the stop came
+    (inc,) = detect_failstops(Frames.build(**_manager_stops_a_hang(30.0), exits=_stopped_by_launcher(30.0)))
+    assert (inc.klass, inc.subject.id) == (IncidentClass.HANG, "1")
+    # a rank that ended without the launcher's signal is what the launcher reacted to: no launcher's stop
+    frames = Frames.build(**_manager_stops_a_hang(30.0), exits=_stopped_by_launcher(30.0, killed=1))
+    assert "1" in {i.subject.id for i in detect_failstops(frames)}

@@ -452,6 +452,10 @@ def test_a_part_file_fail_stop_about_a_rank_still_beating_or_a_replaced_attempt_
     assert gone.rank(1).state is RankState.LOST and gone.contradicts(silent) is None  # type: ignore[union-attr]
     stuck = classify([rec(r, at=20.0, progress=10.0, attempt=1) for r in range(WORLD)], [], now(20.2))
     assert stuck.contradicts(replace(silent, klass=IncidentClass.HANG, id="")) is None
+    # found in the hang drill (issue 31): ranks waiting in a collective for the hung rank 1 beat but wrote no rows
+    # for a flush interval, and the part-file reading named them "vanished" beside the hang
+    assert "rank 1 is still beating in attempt 1" in (stuck.contradicts(silent) or "")
+    assert stuck.contradicts(replace(silent, cause=Cause.SIGNAL, id="")) is None  # a signal event is not silence
     assert classify([], [], now(1.0)).contradicts(silent) is None  # a run without liveness records
 
 
@@ -515,3 +519,31 @@ def test_a_record_beyond_the_rows_gives_the_progress_and_says_the_steps_lost_exa
         "telemetry: rank 2 attempt 0: its rows end at step 100, its liveness record at step 245"), warnings
     assert "steps 101..245 were trained and their rows never written" in warnings[0]
     assert merge_records(frames, {}) == (frames, ())
+
+
+def test_a_post_mortem_takes_the_collective_a_record_was_inside_and_the_exit_records_of_the_latest_attempt() -> None:
+    # found in the hang drill (issue 31): ranks SIGTERMed while waiting in an all_reduce closed without its rows (their
+    # step in progress never completed); their records said where they were
+    import polars as pl
+
+    from rankwatch.analytics.frames import Frames
+    from rankwatch.analytics.liveness.posthoc import merge_records
+
+    live = pl.DataFrame({"rank": [0, 1, 2], "attempt": [1, 1, 1], "last_step": [9, 9, 9]})
+    errors = pl.DataFrame({"rank": [2], "step": [10], "op": ["all_reduce"], "group": ["world"], "group_seq": [90]})
+    groups = pl.DataFrame([{"group": "world", "kind": "dp", "ranks": [0, 1, 2]}])
+    frames = Frames.build(liveness=live, collective_errors=errors, groups=groups, end_wall_ns=T0 + 30 * S)
+    inside = OpenCollective(op="all_reduce", group="world", seq=90, wall_ns=T0 + 10 * S)
+    records = {0: rec(0, at=20, attempt=1, step=10, collective=inside),
+               1: rec(1, at=20, attempt=1, step=10),  # inside nothing
+               2: rec(2, at=20, attempt=1, step=10, collective=inside)}  # its error row says it already
+    exits = {0: replace(exit_(0, at=21, sig=15, attempt=1), outside_signal=15, outside_signal_wall_ns=T0 + 20 * S),
+             1: exit_(1, at=21, code=0, attempt=0)}  # of an attempt the rank's rows are not of: left out
+    merged, _ = merge_records(frames, records, exits)
+    assert merged.open_collectives.select("rank", "step", "op", "group", "group_ranks", "group_seq",
+                                          "enter_wall_ns").rows() == [(0, 10, "all_reduce", "world", [0, 1, 2], 90,
+                                                                       T0 + 10 * S)]
+    assert merged.exits.select("rank", "signal", "outside_signal").rows() == [(0, 15, 15)]
+    # an older attempt's record says nothing of this one
+    stale, _ = merge_records(frames, {0: rec(0, at=20, attempt=0, step=10, collective=inside)})
+    assert stale.open_collectives.height == 0

@@ -175,8 +175,8 @@ def analyze(run_dir: Path | str, *, config: AnalysisConfig = AnalysisConfig(), p
         frames = load_frames(con=store.con, since_step=since, clock=clock)
     except duckdb.Error as exc:  # a row guard naming a damaged part, or a read that failed
         raise read_error(exc, telemetry_dir(run)) from None
-    records, unread = final_records(run)
-    frames, lost = merge_records(frames, records)
+    records, exits, unread = final_records(run)
+    frames, lost = merge_records(frames, records, exits)
     found = (*found, *unread, *lost)
     timings.append(("load", time.perf_counter() - t0))
     try:

@@ -38,6 +38,12 @@ is the launcher's reaction to it (`_reacting`). The culprit is, in order of the 
 5. in a job stalled everywhere with heartbeats going on and nothing blocked on the host (a CUDA job's threads wait
    at a sync point), the rank not where the others are (`_by_position`).
 
+When the launcher signalled every rank still running at once, no rank having failed before (`_launcher_stop`, from
+the exit records `rankwatch torchrun`'s host agent writes: the recovery manager stopping a hung job, an operator's
+cancel), what came at or after that signal is the stop and its consequence, not evidence: a collective that failed
+after it was open when it came (and counts as blocked from its entry), a survivor's exception because a peer left on
+its signal, a rank's own SIGTERM. The rules above read what came before; a hung rank stopped so is still a hang.
+
 When there is none and the job itself stopped abnormally (a signal or abnormal exit on most ranks at once, counting with
 a signal the ranks that ended after it writing nothing; or no terminal event anywhere and every rank's telemetry ending
 at about the same time, mid-step), the incident is the job's. A run that stops on every rank at the same step boundary
@@ -132,7 +138,15 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
     if starting:  # waits on a rank still starting are start-up, not a hang
         blocked = blocked.filter(pl.col("state") == "error")
     errors = _since_attempt(frames.collective_errors, start, "exit_wall_ns")
-    named = _named_peers(events, errors, world)
+    evidence, stopped = events, abnormal
+    stop = _launcher_stop(frames, live)
+    if stop is not None:  # the stop and what it caused are no evidence of what came before it
+        blocked = _blocked(frames, start, stop, block, reached, stopped_at=stop)
+        if starting:
+            blocked = blocked.filter(pl.col("state") == "error")
+        errors = errors.filter(pl.col("exit_wall_ns") < stop)
+        abnormal, evidence = abnormal.filter(pl.col("wall_ns") < stop), events.filter(pl.col("wall_ns") < stop)
+    named = _named_peers(evidence, errors, world)
     ended = set(int(r) for r in terminal["rank"].unique())
     # a rank that wrote its own terminal event ended; it did not fall silent
     silent = set() if starting else _silent(live, stall) - ended
@@ -144,7 +158,7 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
     if abnormal.height or errors.height or blocked.height or silent or stalled:
         rules = (
             ("named by peers", lambda: _by_named(named)),
-            ("own transport", lambda: _by_transport(events, errors)),
+            ("own transport", lambda: _by_transport(evidence, errors)),
             ("events", lambda: _by_events(frames, live, abnormal, errors, named, blocked, silent | gone, ended,
                                           world, config)),
             ("gone first", lambda: gone),
@@ -158,14 +172,15 @@ def detect_failstops(frames: Frames, config: FailStopConfig = FailStopConfig()) 
                 break
     if not culprits:
         # a job still starting that ends mid-operation is starting, not killed (its exits and signals still count)
-        job = _job_stop(frames, live, start, terminal, abnormal, world,
+        job = _job_stop(frames, live, start, terminal, stopped, world,
                         replace(config, run_over=False) if starting else config)
         return (_job_incident(frames, live, job, events, config),) if job is not None else ()
     confidence = {"events": config.event_confidence, "named by peers": config.event_confidence,
                   "own transport": config.event_confidence, "gone first": config.event_confidence,
                   "wait graph": config.graph_confidence}.get(method, config.fallback_confidence)
     return tuple(
-        _incident(frames, r, method, confidence, events, errors, blocked, stall, block, silent) for r in sorted(culprits)
+        _incident(frames, r, method, confidence, events, errors, blocked, stall, block, silent, stop)
+        for r in sorted(culprits)
     )
 
 
@@ -282,19 +297,31 @@ def _reached(frames: Frames, live: pl.DataFrame) -> pl.DataFrame:
         pl.max_horizontal("last_step", pl.col("_t") - 1).alias("last_step")).drop("_t")
 
 
-def _blocked(frames: Frames, start: pl.DataFrame, now: int, block: int, reached: pl.DataFrame) -> pl.DataFrame:
+def _blocked(frames: Frames, start: pl.DataFrame, now: int, block: int, reached: pl.DataFrame, *,
+             stopped_at: int | None = None) -> pl.DataFrame:
     """Collectives a rank entered and did not complete normally in its latest attempt: open for longer than `block`
     in a step it is not known to have got past (`_reached`: its rows that said it left were lost), or ended in an
-    error. One row per (rank, group, group_seq)."""
+    error. One row per (rank, group, group_seq). With `stopped_at` (`_launcher_stop`), `now` is the stop: an
+    operation that ended in an error after it was open when the stop came (its error is the stop's doing) and counts
+    as open from its entry."""
     cols = ["rank", "step", "op", "group", "group_ranks", "group_seq", "peer", "wall_ns", "state"]
     done = reached.select("rank", pl.col("last_step").alias("_done"))
-    opened = frames.open_collectives.join(done, on="rank", how="left").filter(
+    failed = frames.collective_errors
+    cut = (pl.col("exit_wall_ns") >= stopped_at) if stopped_at is not None else pl.lit(False)
+    entered = pl.concat([
+        frames.open_collectives.select("rank", "step", "op", "group", "group_ranks", "group_seq", "peer",
+                                       "enter_wall_ns"),
+        failed.filter(cut & pl.col("enter_wall_ns").is_not_null()).select(
+            "rank", "step", "op", "group", "group_ranks", "group_seq", pl.lit(None, dtype=pl.Int32).alias("peer"),
+            "enter_wall_ns"),
+    ])
+    opened = entered.join(done, on="rank", how="left").filter(
         (pl.col("enter_wall_ns") < now - block) & (pl.col("step") > pl.col("_done").fill_null(-1))
     ).select(
         "rank", "step", "op", "group", "group_ranks", "group_seq", "peer", pl.col("enter_wall_ns").alias("wall_ns"),
         pl.lit("open").alias("state"),
     )
-    errors = frames.collective_errors.select(
+    errors = failed.filter(~cut).select(
         "rank", "step", "op", "group", "group_ranks", "group_seq", pl.lit(None, dtype=pl.Int32).alias("peer"),
         pl.col("exit_wall_ns").alias("wall_ns"), pl.lit("error").alias("state"),
     )
@@ -537,6 +564,29 @@ def _stop_ranks(own: pl.DataFrame, live: pl.DataFrame, ended: set[int], frames: 
     return ranks
 
 
+def _launcher_stop(frames: Frames, live: pl.DataFrame) -> int | None:
+    """When the launcher (or whatever stops it: an operator, a scheduler, the recovery manager) signalled every rank
+    still running at once, with no rank ended before it but cleanly: the earliest signal an exit record says reached
+    a rank from outside (`ExitRecord.outside_signal`, as `rankwatch torchrun`'s host agent saw it). torchrun's agent
+    signals only the workers still running once one has failed (`SubprocessContext._close` under
+    torch/distributed/elastic/multiprocessing/), so a rank that failed first got no such signal, and its abnormal end
+    makes this None; so does a run whose exit records do not cover every rank, or tell no outside signal. Whatever
+    the ranks did after the stop (a collective failing because a peer left on its signal, that peer's exception) is
+    the stop's consequence."""
+    ex = frames.exits.join(live.select("rank", pl.col("attempt").alias("_latest")), on="rank", how="inner").filter(
+        pl.col("attempt") == pl.col("_latest"))
+    if ex.height == 0 or ex["rank"].n_unique() < max(live.height, frames.world_size):
+        return None
+    first = ex["outside_signal_wall_ns"].min()
+    if first is None:
+        return None
+    unsignalled = ex.filter(pl.col("outside_signal").is_null())
+    if unsignalled.filter(pl.col("signal").is_not_null() | (pl.col("exit_code").fill_null(1) != 0)
+                          | (pl.col("wall_ns") >= first)).height:
+        return None  # a rank failed without the launcher's signal: what it reacted to
+    return int(first)  # type: ignore[arg-type]
+
+
 def _by_wait_graph(blocked: pl.DataFrame, live: pl.DataFrame, silent: set[int], device: bool) -> set[int]:
     """Roots of the wait graph. A blocked rank waits for each member of its operation's group that is not inside the
     same operation (group, group_seq) and has not completed the operation's step (for a point-to-point operation,
@@ -712,7 +762,10 @@ def _job_incident(frames: Frames, live: pl.DataFrame, job: tuple[Cause, str, int
 
 
 def _incident(frames: Frames, rank: int, method: str, confidence: float, events: pl.DataFrame,
-              errors: pl.DataFrame, blocked: pl.DataFrame, stall: int, block: int, silent: set[int]) -> Incident:
+              errors: pl.DataFrame, blocked: pl.DataFrame, stall: int, block: int, silent: set[int],
+              stop: int | None = None) -> Incident:
+    """The culprit's incident. `stop`: when the launcher stopped every rank (`_launcher_stop`); the rank's own end
+    after it was the launcher's doing, not how it stopped (a hung rank SIGTERMed is still a hang)."""
     row = frames.liveness.filter(pl.col("rank") == rank)
     liv = row.row(0, named=True) if row.height else {}
     last_step = liv.get("last_step")
@@ -721,6 +774,8 @@ def _incident(frames: Frames, rank: int, method: str, confidence: float, events:
     heartbeat = liv.get("last_heartbeat_wall_ns")
     own = events.filter(pl.col("rank") == rank)
     own_terminal = own.filter(pl.col("kind").is_in(_TERMINAL))
+    if stop is not None:
+        own_terminal = own_terminal.filter(pl.col("wall_ns") < stop)
     own_blocked = blocked.filter(pl.col("rank") == rank)
     reactions = [
         errors.filter(pl.col("rank") != rank)["exit_wall_ns"].min(),

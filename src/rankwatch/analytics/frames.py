@@ -116,7 +116,13 @@ FRAME_SCHEMAS: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {
     # Collectives that ended in an error on a rank (a peer vanished, a timeout).
     "collective_errors": {
         "rank": _I32, "step": _I64, "op": _STR, "group": _STR, "group_ranks": pl.List(_I32), "group_seq": _I64,
-        "exit_wall_ns": _I64, "error": _STR,
+        "exit_wall_ns": _I64, "error": _STR, "enter_wall_ns": _I64,
+    },
+    # How each rank's process ended as its launcher's side saw it (the exit records `rankwatch torchrun`'s host agent
+    # writes, latest attempt only: `analytics.liveness.records.ExitRecord`); empty where no agent wrote them.
+    "exits": {
+        "rank": _I32, "attempt": _I32, "wall_ns": _I64, "exit_code": _I32, "signal": _I32, "outside_signal": _I32,
+        "outside_signal_wall_ns": _I64,
     },
 }
 
@@ -146,6 +152,7 @@ class Frames:
     heartbeat_interval_ns: int = 1_000_000_000
     replays: pl.DataFrame = field(default_factory=lambda: conform("replays", None))
     host: pl.DataFrame = field(default_factory=lambda: conform("host", None))
+    exits: pl.DataFrame = field(default_factory=lambda: conform("exits", None))
     clock: Clock = Clock.CPU
     """The clock `steps`, `lateness`, `links` and `group_transfer` were read from (never AUTO)."""
 

@@ -397,7 +397,7 @@ def collective_errors(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
     if Table.COLLECTIVES not in _tables(con):
         return conform("collective_errors", None)
     return conform("collective_errors", _frame(con, f"""
-        SELECT rank::INTEGER AS rank, step, op, "group", group_ranks, group_seq, exit_wall_ns, error
+        SELECT rank::INTEGER AS rank, step, op, "group", group_ranks, group_seq, exit_wall_ns, error, enter_wall_ns
         FROM collectives WHERE status = '{CollectiveStatus.ERROR}' ORDER BY exit_wall_ns"""))
 
 

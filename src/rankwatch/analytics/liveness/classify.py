@@ -161,7 +161,9 @@ class LivenessView:
         attempt this poll's attempt replaced, or one whose ranks are all RUNNING (beating and completing steps within
         their allowance) or FINISHED (its collector closing or closed with code 0: at a run's end the ranks that closed
         first flushed their last rows at once, while one still closing is only as fresh as its last periodic flush)
-        here. Other classes are never contradicted: liveness says nothing of speed or values."""
+        here, or a fail-stop read as "vanished" (rows stopped with no exit, signal or exception event) whose ranks all
+        still beat (PENDING, RUNNING or STUCK: a rank waiting on a hung peer did not vanish). Other classes are never
+        contradicted: liveness says nothing of speed or values."""
         if incident.klass not in (IncidentClass.FAIL_STOP, IncidentClass.HANG) or self.attempt is None:
             return None
         if incident.attempt is not None and incident.attempt < self.attempt:
@@ -174,6 +176,13 @@ class LivenessView:
             states = sorted({str(v.state) for v in views if v is not None})
             who = f"rank {incident.ranks[0]} is" if len(incident.ranks) == 1 else f"ranks {list(incident.ranks)} are"
             return f"{who} {' or '.join(states)} in attempt {self.attempt} by their liveness records"
+        if (incident.klass is IncidentClass.FAIL_STOP and incident.cause is Cause.VANISHED and incident.ranks
+                and all(v is not None and v.state in _ALIVE for v in views)):
+            # "vanished" means its rows stopped with no exit, signal or exception event: a rank whose liveness thread
+            # still beats did not vanish (a rank waiting in a collective for a hung peer is STUCK, and its part file
+            # lags its flush like any other); if it is the one at fault, the liveness hang names it
+            who = f"rank {incident.ranks[0]} is" if len(incident.ranks) == 1 else f"ranks {list(incident.ranks)} are"
+            return f"{who} still beating in attempt {self.attempt} by their liveness records: it did not vanish"
         return None
 
     def line(self) -> str:

@@ -19,31 +19,41 @@ import polars as pl
 
 from rankwatch.analytics.frames import Frames, conform
 from rankwatch.analytics.liveness.monitor import LivenessMonitor
-from rankwatch.analytics.liveness.records import RankRecord
+from rankwatch.analytics.liveness.records import ExitRecord, RankRecord
 
 __all__ = ["final_records", "merge_records"]
 
 
-def final_records(run_dir: Path | str) -> tuple[dict[int, RankRecord], tuple[str, ...]]:
-    """Each rank's liveness record as it stands (none when the run has no ``live/`` folder), and the reading's
-    warnings (a record caught mid-write twice is left out, with a warning)."""
-    monitor = LivenessMonitor(run_dir)
-    records, _, warnings = monitor.read()
-    return records, warnings
+def final_records(run_dir: Path | str) -> tuple[dict[int, RankRecord], dict[int, ExitRecord], tuple[str, ...]]:
+    """Each rank's liveness record and exit record as they stand (none when the run has no ``live/`` folder), and
+    the reading's warnings (a record caught mid-write twice is left out, with a warning)."""
+    return LivenessMonitor(run_dir).read()
 
 
 def _clock(ns: int) -> str:
     return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3] + " UTC"
 
 
-def merge_records(frames: Frames, records: Mapping[int, RankRecord]) -> tuple[Frames, tuple[str, ...]]:
+def merge_records(frames: Frames, records: Mapping[int, RankRecord],
+                  exits: Mapping[int, ExitRecord] | None = None) -> tuple[Frames, tuple[str, ...]]:
     """`frames` with each rank's progress and last sign of life taken from its liveness record where the record is of
     the rank's latest attempt and goes further than its rows; one warning per rank whose rows stop short of its record
     (the steps lost, exactly). A record is a sign of life like a heartbeat (written at least twice per heartbeat
-    interval), so it counts as one."""
+    interval), so it counts as one. The collective a record says its rank was inside (`RankRecord.collective`) is
+    an open collective where the rows have none of that operation (a rank stopped mid-step loses the rows of the
+    step in progress with its collector's flush); the exit records of the ranks' latest attempts are `exits`."""
     live = frames.liveness
+    if exits:
+        latest = {int(r): a for r, a in live.select("rank", "attempt").iter_rows()} if live.height else {}
+        frames = replace(frames, exits=conform("exits", pl.DataFrame(
+            [{"rank": e.rank, "attempt": e.attempt, "wall_ns": e.wall_ns, "exit_code": e.exit_code, "signal": e.signal,
+              "outside_signal": e.outside_signal, "outside_signal_wall_ns": e.outside_signal_wall_ns}
+             for e in exits.values() if latest.get(e.rank, e.attempt) == e.attempt],
+            schema={"rank": pl.Int32, "attempt": pl.Int32, "wall_ns": pl.Int64, "exit_code": pl.Int32,
+                    "signal": pl.Int32, "outside_signal": pl.Int32, "outside_signal_wall_ns": pl.Int64})))
     if not records or not live.height:
         return frames, ()
+    frames = _merge_open(frames, records)
     warnings: list[str] = []
     rows = []
     newest = frames.end_wall_ns
@@ -73,3 +83,30 @@ def merge_records(frames: Frames, records: Mapping[int, RankRecord]) -> tuple[Fr
         rows.append(row)
     merged = conform("liveness", pl.DataFrame(rows, schema=live.schema))
     return replace(frames, liveness=merged, end_wall_ns=newest), tuple(warnings)
+
+
+def _merge_open(frames: Frames, records: Mapping[int, RankRecord]) -> Frames:
+    """`frames.open_collectives` with the collective each latest-attempt record says its rank was inside, where no
+    row of that operation (rank, group, sequence number) is open or ended in an error. Its sequence number may be
+    unknown (`CollectiveTracker.enter_call`: a call issuing collectives from C++, DDP's buffer broadcast): the rank
+    was waiting in its group all the same."""
+    latest = {int(r): a for r, a in frames.liveness.select("rank", "attempt").iter_rows()}
+    known = {(int(r), g, s) for r, g, s in pl.concat([
+        frames.open_collectives.select("rank", "group", "group_seq"),
+        frames.collective_errors.select("rank", "group", "group_seq")]).iter_rows()}
+    members = {g: tuple(int(x) for x in rs) for g, rs in frames.groups.select("group", "ranks").iter_rows()} \
+        if frames.groups.height else {}
+    rows = []
+    for rec in records.values():
+        c = rec.collective
+        if (c is None or c.wall_ns is None or latest.get(rec.rank) != rec.attempt
+                or (c.seq is not None and (rec.rank, c.group, c.seq) in known)):
+            continue
+        rows.append({"rank": rec.rank, "step": rec.step if rec.step is not None else (
+            rec.last_step + 1 if rec.last_step is not None else 0), "op": c.op, "group": c.group,
+            "group_ranks": list(c.ranks if c.ranks is not None else members.get(c.group, ())) or None,
+            "group_seq": c.seq, "peer": c.peer, "enter_wall_ns": c.wall_ns})
+    if not rows:
+        return frames
+    return replace(frames, open_collectives=pl.concat([frames.open_collectives, conform("open_collectives",
+                                                                                         pl.DataFrame(rows))]))
