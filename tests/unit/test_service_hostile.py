@@ -330,3 +330,28 @@ def test_state_files_are_for_their_owner_only(svc: ManagerService) -> None:
     manager_dir = svc.manager.state_path.parent
     for p in manager_dir.iterdir():
         assert p.stat().st_mode & 0o077 == 0, (p, oct(p.stat().st_mode))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_client_still_sending_a_refused_body_reads_its_413_not_a_reset(svc: ManagerService, chunked: bool) -> None:
+    # seen in CI as a ConnectionResetError instead of a 413: the server closed with the body's rest unread, the
+    # client's next bytes drew a reset, and Linux discards the unread answer on a reset (`HttpLimits.linger_bytes`)
+    body = _body(svc)
+    rest = b" " * (MAX_BODY + 2000 - len(body))
+    head = request("POST", "/alerts", b"", signed(body))
+    if chunked:
+        head = head.replace(b"content-length: 0", b"transfer-encoding: chunked")
+        first = b"%x\r\n" % (MAX_BODY + 100) + b" " * (MAX_BODY + 100) + b"\r\n"
+        later = b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    else:
+        head = head.replace(b"content-length: 0", b"content-length: %d" % (len(body) + len(rest)))
+        first, later = rest[:1000], rest[1000:] + body
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=10) as s:
+        s.sendall(head + first)
+        time.sleep(0.3)  # the server has refused by now
+        s.sendall(later)
+        time.sleep(0.3)  # a reset, had it closed unread, is here by now
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert int(data.split(b" ", 2)[1]) == 413 and answer(data)["error"] == "too_large", data

@@ -10,7 +10,8 @@ keep-alive connections, and its graceful shutdown waits for every open connectio
   on a kept-alive connection, after the next request's first byte), else the connection is closed; at most
   `max_header_bytes` of them (over that, or what is not HTTP, h11 answers 400: `malformed_request`);
 - **bodies** (`read_body`, used by the routes after the headers were checked): a declared length over the cap is
-  refused unread (413); the body must arrive within `body_floor_s` plus its length at `body_min_rate` bytes per
+  refused (413; what is left of a body up to `linger_bytes` past the cap is read and dropped first, so the client
+  reads its 413 rather than a reset); the body must arrive within `body_floor_s` plus its length at `body_min_rate` bytes per
   second (408, connection closed); at most `max_body_readers` bodies are read at once (429 when no slot frees in a
   second), so stalled bodies hold at most that many buffers;
 - **shutdown** (`GuardedServer`): stop accepting, close connections waiting for headers, give requests in flight
@@ -60,13 +61,22 @@ class HttpLimits:
     """Seconds an idle keep-alive connection stays open (uvicorn's own timer)."""
     shutdown_timeout_s: float = 3.0
     """Seconds requests in flight get to finish at shutdown before they are cancelled."""
+    linger_bytes: int = 64 * 1024
+    """A body refused as too large is still read, and dropped, up to this many bytes past the cap (within
+    `linger_s`) before the 413 and the close: a connection closed with unread data sends the client a reset, which
+    on Linux discards the 413 it had not read yet (nginx's `lingering_close` for the same reason). A body longer than
+    that is refused unread, and its client may see the reset instead."""
+    linger_s: float = 1.0
+    """Seconds the drain of a refused body may take."""
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_connections_per_client", "max_header_bytes", "max_body_readers",
                      "keep_alive_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"HttpLimits.{name}={getattr(self, name)}: must be >= 1")
-        for name in ("header_timeout_s", "body_floor_s", "body_min_rate", "shutdown_timeout_s"):
+        if self.linger_bytes < 0:
+            raise ValueError(f"HttpLimits.linger_bytes={self.linger_bytes}: must be >= 0")
+        for name in ("header_timeout_s", "body_floor_s", "body_min_rate", "shutdown_timeout_s", "linger_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HttpLimits.{name}={getattr(self, name)}: must be > 0")
 
@@ -181,6 +191,8 @@ async def read_body(stream: AsyncIterator[bytes], declared: str | None, *, max_b
         if not (declared.isascii() and declared.isdigit() and len(declared) <= 12):
             raise BodyRefused(400, "malformed_headers", "content-length is not a byte count")
         if int(declared) > max_body:
+            if int(declared) <= max_body + limits.linger_bytes:
+                await _linger(aiter(stream), limits.linger_bytes + max_body, limits.linger_s)
             raise BodyRefused(413, "too_large", f"body over {max_body} bytes")
     length = int(declared) if declared is not None else max_body
     late = f"body not complete within {limits.body_deadline_s(length):.0f} s"
@@ -211,12 +223,25 @@ async def read_body(stream: AsyncIterator[bytes], declared: str | None, *, max_b
             chunk_task = None
             buf += chunk
             if len(buf) > max_body:
+                await _linger(chunks, limits.linger_bytes, min(limits.linger_s, max(0.0, deadline - loop.time())))
                 raise BodyRefused(413, "too_large", f"body over {max_body} bytes")
     finally:
         for t in (closing, chunk_task):
             if t is not None and not t.done():
                 t.cancel()
         edge.readers.release()
+
+
+async def _linger(chunks: AsyncIterator[bytes], budget: int, seconds: float) -> None:
+    """Read and drop what is left of a refused body: up to `budget` bytes, for at most `seconds`
+    (`HttpLimits.linger_bytes`). Never raises: a client gone or too slow just ends it."""
+    loop = asyncio.get_running_loop()
+    end, seen = loop.time() + seconds, 0
+    try:
+        while seen <= budget and loop.time() < end:
+            seen += len(await asyncio.wait_for(anext(chunks), max(0.0, end - loop.time())))
+    except Exception:  # StopAsyncIteration (the end), TimeoutError, the client gone
+        return
 
 
 class GuardedServer(uvicorn.Server):
