@@ -633,6 +633,11 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--devices", default="", metavar="LIST",
                     help="with a command: the GPUs (indices or UUIDs, spares included) its ranks may use, given to it "
                          "as CUDA_VISIBLE_DEVICES off the quarantine list")
+    sv.add_argument("--host-list", default="", metavar="LIST",
+                    help="with a command that takes a host list where it says {hosts} (srun --nodelist={hosts}, "
+                         "--rdzv-endpoint={first_host}:29500): the hosts it may run on, spares included; a "
+                         "quarantined host is left out for the next spare")
+    sv.add_argument("--nodes", type=int, default=1, metavar="N", help="with --host-list: how many of them the job runs on")
     sv.add_argument("--listen", default="127.0.0.1:8787", metavar="HOST:PORT", help="loopback by default")
     sv.add_argument("--secret-file", type=Path, required=True, help="the webhook secret (one line, whsec_...)")
     sv.add_argument("--token-file", type=Path, default=None,
@@ -657,7 +662,8 @@ def _manager(args: argparse.Namespace) -> int:
 
         job = CommandJob.from_args(args.run_dir, command, layout=Layout.parse(args.layout) if args.layout else None,
                                    membership=MembershipSupport(args.membership),
-                                   devices=[d.strip() for d in args.devices.split(",") if d.strip()])
+                                   devices=[d.strip() for d in args.devices.split(",") if d.strip()],
+                                   hosts=[h.strip() for h in args.host_list.split(",") if h.strip()], nodes=args.nodes)
     elif args.nproc is not None:
         job = _canary_config(args)
     launch_kw = {"timeout_s": args.timeout} if args.timeout is not None else None

@@ -178,3 +178,67 @@ def test_recover_answers_whether_the_run_can_go_on_with_fewer_ranks(tmp_path: Pa
     out = capsys.readouterr().out
     assert "go on with 3 of its 4 ranks? yes" in out and "re-plans its data over 3 replicas" in out
     assert main(["recover", str(tmp_path), "--continue-on", "8"]) == 1
+
+
+SRUN = ["srun", "--nodelist={hosts}", "--nodes={nnodes}", "--ntasks-per-node=1", "rankwatch", "torchrun",
+        "--nnodes={nnodes}", "--nproc-per-node", "2", "--rdzv-endpoint={first_host}:29500", "train.py", "--resume"]
+
+
+def test_a_job_on_a_host_list_is_placed_off_a_quarantined_host_onto_a_spare_and_refused_when_none_is_left(
+        tmp_path: Path) -> None:
+    job = CommandJob.from_args(tmp_path, SRUN, layout=Layout(dp=4), hosts=["n1", "n2", "n3"], nodes=2)
+    assert job.argv()[1:3] == ("--nodelist=n1,n2", "--nodes=2") and "--rdzv-endpoint=n1:29500" in job.argv()
+    assert job.placement() == {0: ("n1", 0, ""), 1: ("n1", 1, ""), 2: ("n2", 0, ""), 3: ("n2", 1, "")}
+    moved, lines = job.placed_off(hosts={"n1"})
+    # node 0 moves to the spare; node 1 keeps its host, so the rendezvous host is the spare now
+    assert moved.argv()[1] == "--nodelist=n3,n2" and "--rdzv-endpoint=n3:29500" in moved.argv()
+    assert lines == ("node 0 (ranks 0..1): host n1 -> n3 (quarantined)",)
+    assert moved.placed_off(hosts={"n1"}) == (moved, ())
+    with pytest.raises(ValueError, match=r"needs 2 hosts; usable: \['n2'\] .*quarantined: \['n1', 'n3'\]"):
+        moved.placed_off(hosts={"n3"})
+    claim_launch(tmp_path, "manager:x:0", moved.launch_record())
+    back = CommandJob.from_run(tmp_path)
+    assert back.argv() == moved.argv() and back.excluded_hosts == ("n1",)
+
+
+def test_a_host_list_must_have_where_to_go_and_enough_hosts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"must take it where the command says \{hosts\}"):
+        CommandJob.from_args(tmp_path, TORCHRUN, hosts=["n1", "n2"], nodes=2)
+    with pytest.raises(ValueError, match="the job needs 2 hosts; usable: \\['n1'\\]"):
+        CommandJob.from_args(tmp_path, SRUN, layout=Layout(dp=4), hosts=["n1"], nodes=2)
+    with pytest.raises(ValueError, match="3 nodes for a world of 4 ranks"):
+        CommandJob.from_args(tmp_path, SRUN, layout=Layout(dp=4), hosts=["n1", "n2", "n3"], nodes=3)
+    with pytest.raises(ValueError, match="not both"):
+        CommandJob.from_args(tmp_path, SRUN, layout=Layout(dp=4), hosts=["n1", "n2"], nodes=2, devices=["0", "1"])
+    with pytest.raises(ValueError, match="not resized"):
+        CommandJob.from_args(tmp_path, SRUN, layout=Layout(dp=4), hosts=["n1", "n2"], nodes=2).resized(2)
+
+
+def test_the_launcher_runs_the_command_with_the_hosts_written_in(tmp_path: Path) -> None:
+    code = "import sys; open('hosts.txt', 'w').write(sys.argv[1])"
+    job = CommandJob.from_args(tmp_path / "run", [sys.executable, "-c", code, "{hosts}"], layout=Layout(dp=2),
+                               cwd=tmp_path, hosts=["a", "b", "c"], nodes=2)
+    job, _ = job.placed_off(hosts={"b"})
+    assert CommandLauncher(poll_s=0.02)(job, stop=threading.Event()).ok
+    assert (tmp_path / "hosts.txt").read_text() == "a,c"
+    assert read_launches(tmp_path / "run")[0]["placement"] == {"0": ["a", 0, ""], "1": ["c", 0, ""]}
+
+
+def test_the_manager_places_a_host_list_job_off_a_quarantined_host_and_records_each_rank_moved(tmp_path: Path) -> None:
+    from rankwatch.base.rundir import QuarantineEntry, write_quarantine
+    from rankwatch.control.manager import place_off_quarantine
+    from rankwatch.recovery.lineage import lineage_path, read
+
+    job = CommandJob.from_args(tmp_path, SRUN, layout=Layout(dp=4), hosts=["n1", "n2", "n3"], nodes=2)
+    write_quarantine(tmp_path, [QuarantineEntry(kind="host", id="n2", incident="operator")])
+    said: list[str] = []
+    placed = place_off_quarantine(tmp_path, job, say=said.append)
+    assert placed.chosen_hosts == ("n1", "n3") and said == [
+        "placement off the quarantine list: node 1 (ranks 2..3): host n2 -> n3 (quarantined)"]
+    moved = [(e.details.old_device, e.details.new_device, str(e.verdict.comparability))
+             for e in read(lineage_path(tmp_path))]
+    assert [m[:2] for m in moved] == [("n2:0", "n3:0"), ("n2:1", "n3:1")] and all("changed" in m[2] for m in moved)
+    assert place_off_quarantine(tmp_path, placed) == placed  # placed already: nothing recorded again
+    write_quarantine(tmp_path, [QuarantineEntry(kind="host", id="n2"), QuarantineEntry(kind="host", id="n3")])
+    with pytest.raises(ValueError, match="the job needs 2 hosts; usable: \\['n1'\\]"):
+        place_off_quarantine(tmp_path, placed)

@@ -28,8 +28,16 @@
 - **Placement** off quarantined devices through the device visibility every CUDA program honours
   (``CUDA_VISIBLE_DEVICES``): the job is given `devices` (indices or UUIDs, more than it needs when spares exist);
   a quarantined one is left out, a rotation moves every rank by k devices, and a relaunch that needs more devices
-  than are left is refused (ValueError naming what is left). The command runs on this host: a quarantined host is
-  refused. Without `devices` (a CPU job) the ranks are placed by local rank and no device can be taken out.
+  than are left is refused (ValueError naming what is left). Without `devices` (a CPU job) the ranks are placed by
+  local rank and no device can be taken out.
+- **Placement off quarantined hosts** through the host list the job's own launcher takes: with `hosts` (spares
+  included) and `nodes` (how many it runs on), the command holds ``{hosts}`` where the manager writes the hosts it is
+  to use, comma-separated (Slurm's ``srun --nodelist={hosts}``, an MPI hostfile line, a ``pdsh -w {hosts}`` that
+  starts torchrun on each), and may hold ``{first_host}`` (torchrun's ``--rdzv-endpoint={first_host}:29500``) and
+  ``{nnodes}``. Node i of the job is the i-th host written, its ranks i * per-node ... (torchrun's ``--node-rank``
+  order as the launcher gives it). A quarantined host is left out for the next spare; a relaunch with fewer hosts
+  than `nodes` left is refused. Without `hosts` the command runs on this host alone, and a quarantine of it is
+  refused.
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ from rankwatch.recovery.job import (
 __all__ = ["COMMAND_JOB", "CommandJob", "CommandLauncher", "command_world_size"]
 
 COMMAND_JOB = "command"
+HOSTS_FIELD = "{hosts}"
+"""Where a command that takes a host list gets the hosts the manager chose (module docstring)."""
 """The `job` of a launch record `CommandLauncher` wrote (`CommandJob.from_run` reads the latest one back)."""
 
 _LAUNCHERS = ("torchrun", "torch.distributed.run")
@@ -116,10 +126,30 @@ class CommandJob:
     faults: tuple[tuple[str, str], ...] = ()
     """Environment that injects a fault into the job (a drill's), in this launch only: a relaunch drops it unless
     told to keep the faults (`relaunched`), as an injected fault stands for a transient one."""
+    hosts: tuple[str, ...] = ()
+    """The hosts the job may run on, spares included, for a command that takes a host list (``{hosts}``;
+    ``manager serve --host-list``); () for a command on this host alone."""
+    nodes: int = 1
+    """How many of `hosts` it runs on (its world is `nodes` times the ranks per node)."""
+    excluded_hosts: tuple[str, ...] = ()
+    """Entries of `hosts` taken out of placement (quarantined)."""
 
     def __post_init__(self) -> None:
         if not self.command:
             raise ValueError("the job's command is empty (give it after `--`)")
+        if self.nodes < 1 or self.world_size % self.nodes:
+            raise ValueError(f"{self.nodes} nodes for a world of {self.world_size} ranks: each node must hold as many")
+        if self.hosts or self.nodes > 1:
+            if not any(HOSTS_FIELD in a for a in self.command):
+                raise ValueError(f"{shlex.join(self.command)!r}: a job on a host list must take it where the command "
+                                 f"says {HOSTS_FIELD} (e.g. srun --nodelist={HOSTS_FIELD})")
+            if len(set(self.hosts)) != len(self.hosts):
+                raise ValueError(f"hosts {list(self.hosts)}: a host is listed twice")
+            if self.devices:
+                raise ValueError("devices are per host: give a host list or a device list, not both")
+            if len(self.usable_hosts) < self.nodes:
+                raise ValueError(f"the job needs {self.nodes} hosts; usable: {list(self.usable_hosts) or 'none'} "
+                                 f"(of {list(self.hosts)}, quarantined: {list(self.excluded_hosts) or 'none'})")
         if self.uuids and len(self.uuids) != len(self.devices):
             raise ValueError(f"{len(self.uuids)} device UUIDs for {len(self.devices)} devices")
         if len(set(self.devices)) != len(self.devices):
@@ -132,9 +162,11 @@ class CommandJob:
     @classmethod
     def from_args(cls, run_dir: Path, command: Sequence[str], *, layout: Layout | None = None,
                   membership: MembershipSupport = MembershipSupport.FIXED_SHAPES, devices: Sequence[str] = (),
-                  cwd: Path | None = None, env: Mapping[str, str] | None = None) -> CommandJob:
+                  cwd: Path | None = None, env: Mapping[str, str] | None = None, hosts: Sequence[str] = (),
+                  nodes: int = 1) -> CommandJob:
         """The job of `command`: its world size from the torchrun arguments (`command_world_size`) and the layout
-        given (dp = the world when none). ValueError when neither says the world size, or they disagree."""
+        given (dp = the world when none). ValueError when neither says the world size, or they disagree. `hosts`
+        and `nodes`: a command that takes a host list (module docstring)."""
         world = command_world_size(command)
         if layout is None:
             if world is None:
@@ -145,7 +177,7 @@ class CommandJob:
         devs = tuple(str(d) for d in devices)
         return cls(run_dir=Path(run_dir).resolve(), command=tuple(command), layout=layout, membership=membership,
                    cwd=(cwd or Path.cwd()).resolve(), devices=devs, uuids=_uuids(devs),
-                   env=tuple(sorted((env or {}).items())))
+                   env=tuple(sorted((env or {}).items())), hosts=tuple(str(h) for h in hosts), nodes=nodes)
 
     @classmethod
     def from_run(cls, run_dir: Path) -> CommandJob:
@@ -163,7 +195,9 @@ class CommandJob:
                        devices=tuple(str(d) for d in rec.get("devices", ())),
                        uuids=tuple(str(u) for u in rec.get("uuids", ())),
                        excluded=tuple(str(d) for d in rec.get("excluded", ())), shift=int(rec.get("shift", 0)),
-                       env=tuple((str(k), str(v)) for k, v in dict(rec.get("env", {})).items()))
+                       env=tuple((str(k), str(v)) for k, v in dict(rec.get("env", {})).items()),
+                       hosts=tuple(str(h) for h in rec.get("host_list", ())), nodes=int(rec.get("nodes", 1)),
+                       excluded_hosts=tuple(str(h) for h in rec.get("excluded_hosts", ())))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{run_file}: the command launch record is unreadable ({type(exc).__name__}: {exc})") from None
 
@@ -176,6 +210,28 @@ class CommandJob:
     @property
     def usable(self) -> tuple[str, ...]:
         return tuple(d for d in self.devices if d not in self.excluded)
+
+    @property
+    def usable_hosts(self) -> tuple[str, ...]:
+        return tuple(h for h in self.hosts if h not in self.excluded_hosts)
+
+    @property
+    def chosen_hosts(self) -> tuple[str, ...]:
+        """The hosts this launch runs on, node 0 first (the first `nodes` usable ones); (this host,) without a list."""
+        return self.usable_hosts[: self.nodes] if self.hosts else (self.host,)
+
+    def argv(self) -> tuple[str, ...]:
+        """The command as launched: ``{hosts}``, ``{first_host}`` and ``{nnodes}`` written in where it has them."""
+        if not self.hosts:
+            return self.command
+        chosen = self.chosen_hosts
+        fields = {HOSTS_FIELD: ",".join(chosen), "{first_host}": chosen[0], "{nnodes}": str(self.nodes)}
+        out = []
+        for a in self.command:
+            for k, v in fields.items():
+                a = a.replace(k, v)
+            out.append(a)
+        return tuple(out)
 
     def declaration(self) -> JobDeclaration:
         """What the job declared: its membership support. Nothing else is assumed (idempotency unknown; the only
@@ -191,12 +247,18 @@ class CommandJob:
         return self.uuids[self.devices.index(device)] if self.uuids else device
 
     def placement(self) -> dict[int, Placement]:
+        if self.hosts:
+            per = self.world_size // self.nodes
+            chosen = self.chosen_hosts
+            return {r: (chosen[r // per], r % per, "") for r in range(self.world_size)}
         assigned = self._assigned()
         if not assigned:
             return {r: (self.host, r, "") for r in range(self.world_size)}
         return {r: (self.host, self.devices.index(d), self._uuid(d)) for r, d in enumerate(assigned)}
 
     def placed_off(self, *, devices: Collection[str] = (), hosts: Collection[str] = ()) -> tuple[CommandJob, tuple[str, ...]]:
+        if self.hosts:
+            return self._placed_off_hosts(hosts)
         if self.host in hosts:
             raise ValueError(f"host {self.host} is quarantined, and the job's command runs on it alone: nothing left")
         bad = {d for d in self.usable if self._uuid(d) in devices or d in devices}
@@ -210,6 +272,29 @@ class CommandJob:
                       {self._uuid(d) for d in bad})
         return moved, lines
 
+    def _placed_off_hosts(self, hosts: Collection[str]) -> tuple[CommandJob, tuple[str, ...]]:
+        """Off the quarantined `hosts`: each is left out of the list; a node on one moves to the next spare, the
+        others keep their place (ValueError when fewer than `nodes` are left)."""
+        bad = {h for h in self.usable_hosts if h in hosts}
+        if not bad:
+            return self, ()
+        keep = [h for h in self.chosen_hosts if h not in bad]
+        spares = [h for h in self.usable_hosts if h not in bad and h not in self.chosen_hosts]
+        order = [h if h not in bad else (spares.pop(0) if spares else "") for h in self.chosen_hosts]
+        if "" in order:
+            raise ValueError(f"the job needs {self.nodes} hosts; usable: {keep + spares or 'none'} (of "
+                             f"{list(self.hosts)}, quarantined: {sorted(set(self.excluded_hosts) | bad)})")
+        rest = [h for h in self.usable_hosts if h not in bad and h not in order]
+        moved = replace(self, hosts=tuple(order) + tuple(rest) + tuple(h for h in self.hosts if h not in order
+                                                                      and h not in rest),
+                        excluded_hosts=self.excluded_hosts + tuple(sorted(bad)))
+        before, after = self.placement(), moved.placement()
+        per = self.world_size // self.nodes
+        lines = tuple(f"node {i} (ranks {i * per}..{(i + 1) * per - 1}): host {before[i * per][0]} -> "
+                      f"{after[i * per][0]} (quarantined)" for i in range(self.nodes)
+                      if before[i * per][0] != after[i * per][0])
+        return moved, lines
+
     def rotations(self) -> list[CommandJob]:
         n = len(self.usable)
         return [replace(self, shift=(self.shift + k) % n) for k in range(1, n)] if n > 1 else []
@@ -221,6 +306,8 @@ class CommandJob:
         declaration (`membership`), which the manager checks before it asks."""
         if world_size < 1:
             raise ValueError(f"a world of {world_size} ranks")
+        if self.hosts:
+            raise ValueError(f"{shlex.join(self.command)!r}: a job on a host list is not resized by the manager")
         if self.layout.tp != 1 or self.layout.pp != 1:
             raise ValueError(f"layout {self.layout}: tensor and pipeline shapes are fixed")
         if command_world_size(self.command) != self.world_size:
@@ -261,7 +348,9 @@ class CommandJob:
                 "cwd": str(self.cwd), "host": self.host, "devices": list(self.devices), "uuids": list(self.uuids),
                 "excluded": list(self.excluded), "shift": self.shift, "resume_from": self.resume_from,
                 "replay_basis": self.replay_basis, "env": dict(self.env), "faults": dict(self.faults),
-                "hosts": 1, "placement": {str(r): list(p) for r, p in self.placement().items()}}
+                "hosts": self.nodes, "host_list": list(self.hosts), "nodes": self.nodes,
+                "excluded_hosts": list(self.excluded_hosts), "argv": list(self.argv()),
+                "placement": {str(r): list(p) for r, p in self.placement().items()}}
 
 
 def _uuids(devices: Sequence[str]) -> tuple[str, ...]:
@@ -361,7 +450,7 @@ class CommandLauncher(Launcher):
         log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(list(job.command), cwd=job.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(list(job.argv()), cwd=job.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         pids: dict[int, int] = {}
         groups: set[int] = {proc.pid}

@@ -409,7 +409,8 @@ def place_off_quarantine(run_dir: Path, cfg: J, *, say: Callable[[str], None] = 
         return cfg
     for line in moves:
         say(f"placement off the quarantine list: {line}")
-    _record_moves(run_dir, cfg, placed, lambda rank, uuid: uuid in devices,
+    before = cfg.placement()
+    _record_moves(run_dir, cfg, placed, lambda rank, uuid: uuid in devices or before[rank][0] in hosts,
                   lambda rank, uuid: f"rank {rank} placed off quarantined {uuid}: " + "; ".join(moves))
     return placed
 
@@ -468,14 +469,21 @@ def _shrunk(cfg: J, *, devices: set[str], hosts: set[str], why: str, say: Callab
 
 def _record_moves(run_dir: Path, before_cfg: Job, after_cfg: Job, which: Callable[[int, str], bool],
                   text: Callable[[int, str], str]) -> None:
-    """A DEVICE_REPLACED lineage entry (CHANGED: hardware) for each rank `which` picks by (rank, old device UUID)."""
+    """A DEVICE_REPLACED lineage entry (CHANGED: hardware) for each rank `which` picks by (rank, old device) that
+    runs elsewhere after: on another device, or on another host. A device is its UUID, or ``host:slot`` where the
+    placement names none (a job on a host list)."""
     before, after = before_cfg.placement(), after_cfg.placement()
     book = Lineage(lineage_path(run_dir))
-    for rank, (_, _, uuid) in before.items():
-        if which(rank, uuid) and after[rank][2] != uuid:
+
+    def name(p: tuple[str, int, str]) -> str:
+        return p[2] or f"{p[0]}:{p[1]}"
+
+    for rank, place in before.items():
+        old, new = name(place), name(after[rank])
+        if which(rank, old) and new != old:
             book.append(NewEntry(kind=LineageKind.DEVICE_REPLACED, verdict=LineageVerdict.changed(
                 ChangeReason.HARDWARE, note="another physical device; bitwise identity is not assumed"),
-                details=Details(old_device=uuid, new_device=after[rank][2], text=text(rank, uuid))))
+                details=Details(old_device=old, new_device=new, text=text(rank, old))))
 
 
 def reshuffled(run_dir: Path, cfg: J, suspects: Sequence[str], *, say: Callable[[str], None] = lambda _: None) -> J:
