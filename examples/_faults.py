@@ -7,7 +7,8 @@
             faults.inject(step, data)
             ...
 
-- ``FAULT_SLEEP_RANK`` / ``FAULT_SLEEP_MS``: that rank sleeps that long inside every step (a straggler);
+- ``FAULT_SLEEP_RANK`` / ``FAULT_SLEEP_MS`` (/ ``FAULT_SLEEP_STEP``): that rank sleeps that long inside every step
+  (from that step on; default from the start): a straggler;
 - ``FAULT_RAISE_RANK`` / ``FAULT_RAISE_STEP``: that rank raises ``RuntimeError("injected fault on rank R at step S")``
   at that step;
 - ``FAULT_RNG_SKEW_RANK`` / ``FAULT_RNG_SKEW_STEP``: that rank draws one extra ``torch.rand`` at that step, so its
@@ -53,7 +54,8 @@ def _device(env: Mapping[str, str]) -> str | None:
 class Faults:
     rank: int
     sleep_s: float = 0.0
-    """Seconds this rank sleeps inside every step (0: not this rank)."""
+    """Seconds this rank sleeps inside every step from `sleep_step` on (0: not this rank)."""
+    sleep_step: int = 0
     raise_step: int | None = None
     """The step at which this rank raises (None: never)."""
     skew_step: int | None = None
@@ -76,6 +78,7 @@ class Faults:
         return cls(
             rank=rank,
             sleep_s=sleep_ms / 1000 if _int(env, "FAULT_SLEEP_RANK") == rank else 0.0,
+            sleep_step=_int(env, "FAULT_SLEEP_STEP") or 0,
             raise_step=_int(env, "FAULT_RAISE_STEP") if _int(env, "FAULT_RAISE_RANK") == rank else None,
             skew_step=_int(env, "FAULT_RNG_SKEW_STEP") if _int(env, "FAULT_RNG_SKEW_RANK") == rank else None,
             flip_step=_int(env, "FAULT_BITFLIP_STEP") if _int(env, "FAULT_BITFLIP_RANK") == rank else None,
@@ -111,7 +114,7 @@ class Faults:
         if step == self.hang_step:
             while True:  # no progress; the signal that stops the job ends the sleep
                 time.sleep(1.0)
-        if self.sleep_s:
+        if self.sleep_s and step >= self.sleep_step:
             time.sleep(self.sleep_s)
         if step == self.skew_step:
             torch.rand(1)

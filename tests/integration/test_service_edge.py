@@ -66,15 +66,22 @@ def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]
 
 
 def _healthz_ms(port: int, source: str = "127.0.0.1") -> float | None:
+    """None until the service answers. A port from `_free_port` lies in the ephemeral range, so before the service
+    listens the kernel may give the probe that same port as its source: a TCP self-connect, whose "response" is the
+    probe's own request (CI saw `BadStatusLine: GET /healthz HTTP/1.1`). Such a socket is not the service."""
     t0 = time.perf_counter()
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2, source_address=(source, 0))
         try:
+            conn.connect()
+            assert conn.sock is not None
+            if conn.sock.getsockname() == conn.sock.getpeername():
+                return None
             conn.request("GET", "/healthz")
             ok = conn.getresponse().status == 200
         finally:
             conn.close()
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return None
     return (time.perf_counter() - t0) * 1e3 if ok else None
 

@@ -23,6 +23,7 @@ from rankwatch.base.schema import LIVE_VERSION, CheckpointPhase, ExitField, Grou
 from rankwatch.base.topology import GroupInfo
 from rankwatch.collector import Collector, CollectorConfig, MemorySink
 from rankwatch.collector.liveness import encode_frame, exit_record_path, rank_record_path, write_exit_record
+from rankwatch.analytics.liveness.records import TornRecord
 
 S = 1_000_000_000
 HB = S  # heartbeat interval of the synthetic records
@@ -326,7 +327,14 @@ INFO = GroupInfo(name="dp", kind=GroupKind.DP, ranks=(0, 1), hosts=("host0", "ho
 
 
 def _read(run: Path, rank: int) -> RankRecord:
-    return decode_rank_record(rank_record_path(run, rank).read_bytes())
+    """The record as the monitor reads it: a frame caught mid-write (the heartbeat rewrites it in place) is read
+    again, as `LivenessMonitor` does."""
+    for _ in range(100):
+        try:
+            return decode_rank_record(rank_record_path(run, rank).read_bytes())
+        except TornRecord:
+            time.sleep(0.002)
+    raise AssertionError("the rank record stayed torn for 100 reads")
 
 
 def _wait(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:

@@ -495,9 +495,13 @@ def test_serve_runs_in_the_foreground_and_ends_cleanly_on_sigterm(tmp_path: Path
         def up() -> bool:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             try:
+                conn.connect()
+                assert conn.sock is not None
+                if conn.sock.getsockname() == conn.sock.getpeername():
+                    return False  # a TCP self-connect before the service listens: the probe, not the service
                 conn.request("GET", "/healthz")
                 return conn.getresponse().status == 200
-            except OSError:
+            except (OSError, http.client.HTTPException):
                 return False
             finally:
                 conn.close()

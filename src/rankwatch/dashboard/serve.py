@@ -6,6 +6,7 @@ serving, so the first visitor does not wait for the imports (several seconds her
 
 from __future__ import annotations
 
+import http.client
 import os
 import subprocess
 import sys
@@ -57,7 +58,9 @@ def wait_ready(port: int, *, address: str = "127.0.0.1", timeout_s: float = 60.0
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
                     return time.monotonic() - t0
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
+            # HTTPException: before Streamlit listens, a probe to an ephemeral-range port can be given that same
+            # port as its source (a TCP self-connect) and read its own request back as a malformed status line
             pass
         time.sleep(0.2)
     raise TimeoutError(f"dashboard on {address}:{port}: no answer within {timeout_s:.0f} s")

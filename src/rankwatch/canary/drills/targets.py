@@ -89,14 +89,15 @@ EXAMPLES = {"ddp_gpt": "", "fsdp2_transformer": "", "fsdp_tp_2d": "dp=2,tp=2"}
 
 EXAMPLE_FAULTS: dict[str, tuple[tuple[str, str], ...]] = {
     "exit": (("FAULT_RAISE_RANK", str(VICTIM)), ("FAULT_RAISE_STEP", str(FAULT_AFTER + 1))),
-    "straggler": (("FAULT_SLEEP_RANK", "2"), ("FAULT_SLEEP_MS", "80")),
+    "straggler": (("FAULT_SLEEP_RANK", "2"), ("FAULT_SLEEP_MS", "80"), ("FAULT_SLEEP_STEP", str(FAULT_AFTER + 1))),
     "skew_rng": (("FAULT_RNG_SKEW_RANK", str(VICTIM)), ("FAULT_RNG_SKEW_STEP", str(FAULT_AFTER + 1))),
     "bitflip": (("FAULT_BITFLIP_RANK", str(VICTIM)), ("FAULT_BITFLIP_STEP", str(FAULT_AFTER + 1))),
     "hang": (("FAULT_HANG_RANK", str(VICTIM)), ("FAULT_HANG_STEP", str(FAULT_AFTER + 1))),
     "skew_data": (("FAULT_DATA_SKEW_RANK", str(VICTIM)), ("FAULT_DATA_SKEW_STEP", str(FAULT_AFTER + 1))),
 }
 """The drills whose fault is inside the job, as the examples' own fault variables (examples/_faults.py): rank 1
-raises at step 23 (its exit a fail-stop), rank 2 sleeps 80 ms a step (from the start), rank 1 draws one extra
+raises at step 23 (its exit a fail-stop), rank 2 sleeps 80 ms a step from step 23 (from the start, the monitor
+could name it before the drill's clock started: a race a drill lost once), rank 1 draws one extra
 random number at step 23, rank 1 flips a gradient bit before its step-23 optimizer step, rank 1 stops making progress
 in step 23 (its collector beating on), rank 1's data stream skips a batch at step 23."""
 
@@ -161,7 +162,7 @@ def example_target(example: str | Path) -> DrillTarget:
                        drills=EXAMPLE_DRILLS, job=job, launcher=launcher, load_job=load,
                        launch_kw={"timeout_s": 240.0},
                        faults={"exit": f"rank {VICTIM} raises RuntimeError at step {FAULT_AFTER + 1} (FAULT_RAISE_*)",
-                               "straggler": "rank 2 sleeps 80 ms in every step (FAULT_SLEEP_*)",
+                               "straggler": f"rank 2 sleeps 80 ms in every step from step {FAULT_AFTER + 1} (FAULT_SLEEP_*)",
                                "skew_rng": f"rank {VICTIM} draws one extra torch.rand at step {FAULT_AFTER + 1} "
                                            "(FAULT_RNG_SKEW_*)",
                                "failing_device": f"device {VICTIM} of the job's visibility list (0-5, two spares) "
