@@ -161,6 +161,33 @@ def test_a_declared_data_parallel_job_goes_on_with_fewer_ranks_and_lineage_says_
     assert {r for (r, _) in got} == {0, 1, 2} and max(s for (_, s) in got) == STEPS - 1
 
 
+def test_a_shrink_with_no_checkpoint_restarts_from_step_0_and_the_job_records_its_new_batch(tmp_path: Path) -> None:
+    """No save before the kill: the manager restarts the declared data-parallel job from step 0 on 3 ranks and
+    records the restart and the world change; the batch it re-planned only the job knows, and its Checkpointer adds
+    it (a BATCH_CHANGE, from the killed attempt's own `global_batch` event)."""
+    run_dir = (tmp_path / "run").resolve()
+    run_dir.mkdir()
+    job = _job(run_dir, "ddp_gpt", ("--save-every", "1000"), membership=MembershipSupport.PURE_DP_RECONFIGURABLE_BATCH,
+               devices=["0", "1", "2", "3"])
+    status, notes = _kill_under_the_manager(tmp_path, job, before_kill=_quarantine_device_1(run_dir))
+    assert status["last_decision"]["state"] == "done" and status["job"]["state"] == "finished", (status, notes[-20:])
+    launches = read_launches(run_dir)
+    assert launches[-1]["world_size"] == 3 and launches[-1]["resume_from"] == "start", launches[-1]
+    entries = lineage(run_dir)
+    kinds = [e["kind"] for e in entries]
+    assert "restart" in kinds and kinds.count("world_size_change") == 1, kinds
+    replayed = [e for e in entries if e["kind"] == "replayed_data_range"]
+    assert replayed and all(e["verdict"]["comparability"] == "changed" for e in replayed), replayed
+    changes = [e for e in entries if e["kind"] == "batch_change"]
+    assert len(changes) == 1, kinds
+    d = changes[0]["details"]
+    assert (d["old_world_size"], d["new_world_size"], d["old_global_batch"], d["new_global_batch"]) == (4, 3, 32, 24)
+    assert d["attempt"] == len(launches) - 1 and changes[0]["verdict"]["comparability"] == "changed"
+    assert set(changes[0]["verdict"]["reasons"]) == {"batch_composition", "ordering"}, changes[0]["verdict"]
+    got = fingerprints(run_dir, len(launches) - 1)
+    assert min(s for (_, s) in got) == 0 and max(s for (_, s) in got) == STEPS - 1
+
+
 def test_a_job_with_fixed_shapes_is_not_shrunk(tmp_path: Path) -> None:
     run_dir = (tmp_path / "run").resolve()
     run_dir.mkdir()

@@ -280,3 +280,45 @@ def test_recovery_policy_and_lineage_share_their_vocabulary() -> None:
     """analytics cannot import trainer: both take the lineage vocabulary from the one schema module."""
     assert recovery.Comparability is Comparability and recovery.ChangeReason is ChangeReason
     assert recovery.LineageRecord is EntryKind
+
+
+def test_a_restart_on_another_world_reads_the_earlier_attempts_batch_and_records_the_change(tmp_path: Path) -> None:
+    """`previous_batch_plan` takes the latest earlier attempt's `global_batch` event, skipping a damaged part and a
+    malformed message; `record_batch_change` appends a BATCH_CHANGE only when the world or the batch changed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rankwatch.base.schema import EventKind, Table
+    from rankwatch.collector.sink import partition_dir
+    from rankwatch.recovery.resume import BatchPlan, previous_batch_plan, record_batch_change
+
+    def part(rank: int, name: str, rows: list[tuple[str, int, str]]) -> None:
+        where = partition_dir(tmp_path, Table.EVENTS, rank)
+        where.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"kind": [r[0] for r in rows], "attempt": [r[1] for r in rows],
+                                 "message": [r[2] for r in rows]}), where / name)
+
+    batch = str(EventKind.GLOBAL_BATCH)
+    assert previous_batch_plan(tmp_path, before_attempt=5) is None
+    part(0, "part-000.parquet", [(batch, 0, '{"global_batch": 32, "world_size": 4}'), ("start", 1, ""),
+                                 (batch, 1, '{"global_batch": 32, "world_size": 4}'),
+                                 (batch, 2, '{"global_batch": "many"}'),  # malformed: left out
+                                 (batch, 3, '{"global_batch": 24, "world_size": 3}')])
+    (partition_dir(tmp_path, Table.EVENTS, 0) / "part-001.parquet").write_bytes(b"PAR1 cut short")
+    got = previous_batch_plan(tmp_path, before_attempt=3)
+    assert got == BatchPlan(attempt=1, global_batch=32, world_size=4)
+    assert previous_batch_plan(tmp_path, before_attempt=4) == BatchPlan(attempt=3, global_batch=24, world_size=3)
+
+    changed = Verdict.changed(ChangeReason.BATCH_COMPOSITION, ChangeReason.ORDERING)
+    assert not record_batch_change(tmp_path, before=got, after=BatchPlan(attempt=3, global_batch=32, world_size=4),
+                                   verdict=changed)
+    assert not lineage_path(tmp_path).exists()
+    assert record_batch_change(tmp_path, before=got, after=BatchPlan(attempt=3, global_batch=24, world_size=3),
+                               verdict=changed)
+    (entry,) = read(lineage_path(tmp_path))
+    assert entry.kind is EntryKind.BATCH_CHANGE and verify(lineage_path(tmp_path)).ok
+    assert (entry.details.old_global_batch, entry.details.new_global_batch, entry.details.attempt) == (32, 24, 3)
+    assert "global batch 32 -> 24" in entry.details.text
+    with pytest.raises(ValueError, match="nothing changed"):
+        NewEntry(kind=EntryKind.BATCH_CHANGE, verdict=changed, details=Details(
+            old_world_size=4, new_world_size=4, old_global_batch=32, new_global_batch=32))

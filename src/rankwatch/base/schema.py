@@ -234,6 +234,10 @@ class EventKind(StrEnum):
     """A fingerprint found non-finite values (NaN, inf) in the rank's own parameters or optimizer state (its local
     shards): the event's step is the fingerprint's; the message says how many in each. Healthy training never holds
     one, and in a fully sharded state no other rank holds a copy to disagree with."""
+    GLOBAL_BATCH = "global_batch"
+    """Rank 0 of an attempt whose `recovery.Checkpointer` was given `global_batch`: the message is a JSON object
+    {"global_batch", "world_size"} the attempt trains with. A restart from step 0 on another world
+    reads the previous attempt's to put the batch change in the lineage (no manifest says it then)."""
     REPLAY_BASIS = "replay_basis"
     """Rank 0 of an attempt that undoes a state fault (corruption, divergence): the attempts it replaces are a
     replay reference only before the event's `step`, where the fault may have begun (their later states held it)."""
@@ -271,6 +275,9 @@ class LineageKind(StrEnum):
     ROLLBACK = "rollback"
     REPLAYED_DATA_RANGE = "replayed_data_range"
     WORLD_SIZE_CHANGE = "world_size_change"
+    BATCH_CHANGE = "batch_change"
+    """The job's own account of the batch it re-planned on another world where no resume recorded it (a restart
+    from step 0 the recovery manager ordered: the manager knows the world, only the job its batch)."""
     LAYOUT_CHANGE = "layout_change"
     DEVICE_REPLACED = "device_replaced"
     DEVICE_QUARANTINED = "device_quarantined"

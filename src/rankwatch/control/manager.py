@@ -609,7 +609,8 @@ def _record_restart(run_dir: Path, rid: str, before: Job, after: Job) -> None:
             text=f"{rid}: the job declared {before.declaration().membership}; it goes on with {after.world_size} "
                  f"of {before.world_size} ranks")))
     if last is not None:
-        book.append(NewEntry(kind=LineageKind.REPLAYED_DATA_RANGE, verdict=LineageVerdict.identical(),
+        # on another world the steps trained again are not the same steps (batch composition, reduction order)
+        book.append(NewEntry(kind=LineageKind.REPLAYED_DATA_RANGE, verdict=verdict,
                              details=Details(from_step=0, to_step=last + 1, text=f"steps 0..{last} are trained again")))
 
 

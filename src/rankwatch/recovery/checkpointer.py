@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 import rankwatch
-from rankwatch.base.schema import EventKind, GroupKind
+from rankwatch.base.schema import ChangeReason, EventKind, GroupKind
 from rankwatch.base.topology import Layout, group_kind
 from rankwatch.collector.fingerprint import (
     consistency_domain, domain_name, hash_optimizer, hash_tensors, nonfinite_counts, rng_hashes,
@@ -82,8 +82,11 @@ from rankwatch.recovery.decision import GateVerdict
 from rankwatch.recovery.determinism import DDP_BUCKET_CAP_MB, DeterminismInputs, pin_ddp_buckets
 from rankwatch.recovery.gate import Domain, Field, GateOutcome, RankState, judge, run_gate
 from rankwatch.recovery.job import FROM_START, LAYOUT_ENV, REPLAY_BASIS_ENV, RESUME_FROM_ENV
-from rankwatch.recovery.lineage import comparability_of_resume, inputs_json
-from rankwatch.recovery.resume import FROM_INITIALIZATION, GateRefused, last_completed_step, plan, record_resume
+from rankwatch.recovery.lineage import Verdict as LineageVerdict, comparability_of_resume, inputs_json
+from rankwatch.recovery.resume import (
+    FROM_INITIALIZATION, BatchPlan, GateRefused, last_completed_step, plan, previous_batch_plan, record_batch_change,
+    record_resume,
+)
 
 __all__ = ["STATE_KEY", "Checkpointer", "RngScope", "Stateful", "Vote", "agreement_of", "agreement_over", "gate_domains",
            "job_layout", "job_versions"]
@@ -326,6 +329,9 @@ class Checkpointer:
         self._group = group
         self.last_save: SaveResult | None = None
         self.buckets_pinned = self._pin_buckets(model)
+        if self.rank == 0 and global_batch is not None:  # what a restart from step 0 on another world compares with
+            self._collector.event(EventKind.GLOBAL_BATCH, message=json.dumps(
+                {"global_batch": global_batch, "world_size": self.world_size}))
         self._async = async_save
         self._save_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self._pending: threading.Thread | None = None
@@ -583,15 +589,29 @@ class Checkpointer:
 
     def _fresh(self) -> int:
         """No checkpoint: step 0. When an earlier attempt had trained steps, they are trained again from the job's
-        initial state, and the lineage says so."""
-        if self.rank == 0 and self._ordered != FROM_START:  # the manager's restart is in the lineage already
+        initial state, and the lineage says so: the restart (unless the recovery manager ordered it and recorded it)
+        and, where the earlier attempt's events say its global batch, a world or batch that changed (the manager
+        knows the world it relaunched on, only the job knows the batch it re-planned)."""
+        if self.rank != 0:
+            return 0
+        before = previous_batch_plan(self.run_dir, before_attempt=self.attempt)
+        if self._ordered == FROM_START:  # the manager's restart is in the lineage already
+            if before is not None and self._global_batch is not None:
+                now = BatchPlan(attempt=self.attempt, global_batch=self._global_batch, world_size=self.world_size)
+                reasons = ((ChangeReason.BATCH_COMPOSITION,) if now.global_batch != before.global_batch else ()) + (
+                    (ChangeReason.ORDERING,) if now.world_size != before.world_size else ())
+                record_batch_change(self.run_dir, before=before, after=now, verdict=LineageVerdict.changed(*reasons))
+        else:
             previous = last_completed_step(self.run_dir, before_attempt=self.attempt)
             if previous is not None:
-                verdict = comparability_of_resume(self.layout, self.layout, self.world_size, self.world_size,
+                old_world = before.world_size if before is not None else self.world_size
+                verdict = comparability_of_resume(self.layout, self.layout, old_world, self.world_size,
                                                   same_code=True, same_config=True)
                 record_resume(self.run_dir, attempt=self.attempt, resume_at=0, checkpoint_id=FROM_INITIALIZATION,
-                              verdict=verdict, old_world_size=self.world_size, new_world_size=self.world_size,
-                              old_layout=self.layout, new_layout=self.layout)
+                              verdict=verdict, old_world_size=old_world, new_world_size=self.world_size,
+                              old_layout=self.layout, new_layout=self.layout,
+                              old_global_batch=before.global_batch if before is not None else None,
+                              new_global_batch=self._global_batch)
                 self._collector.event(EventKind.RECOVERY, message=(
                     f"no checkpoint committed: attempt {self.attempt} trains from step 0 again (an earlier attempt "
                     f"reached step {previous})"))

@@ -92,8 +92,9 @@ class Details:
     attempt: int | None = None
     """The launch attempt the entry is about (a resume's, or the replay a REPLAY_VERIFIED entry checked)."""
     old_global_batch: int | None = None
-    """At WORLD_SIZE_CHANGE: the samples per optimizer step across the job before the change, where the job declared
-    them (`recovery.Checkpointer(global_batch=...)`). Left out of the hashed body when None, as `determinism`."""
+    """At WORLD_SIZE_CHANGE (a resume) or BATCH_CHANGE (a restart from step 0 on another world): the samples per
+    optimizer step across the job before the change, where the job declared them
+    (`recovery.Checkpointer(global_batch=...)`). Left out of the hashed body when None, as `determinism`."""
     new_global_batch: int | None = None
     """... and after it: a data-parallel job that goes on with fewer replicas keeps its global batch (re-split) or
     its per-rank batch (the global one shrinks); the lineage says which."""
@@ -109,6 +110,7 @@ REQUIRED: dict[EntryKind, tuple[str, ...]] = {
     EntryKind.REPLAYED_DATA_RANGE: ("from_step", "to_step"),
     EntryKind.WORLD_SIZE_CHANGE: ("old_world_size", "new_world_size"),
     EntryKind.LAYOUT_CHANGE: ("old_layout", "new_layout"),
+    EntryKind.BATCH_CHANGE: ("old_world_size", "new_world_size", "old_global_batch", "new_global_batch"),
     EntryKind.DEVICE_REPLACED: ("old_device", "new_device"),
     EntryKind.DEVICE_QUARANTINED: (),
     EntryKind.CODE_CHANGE: ("old_hash", "new_hash"),
@@ -144,6 +146,10 @@ class NewEntry:
             a, b = same[self.kind]
             if getattr(d, a) == getattr(d, b):
                 raise ValueError(f"lineage {self.kind} entry: {a} equals {b} ({getattr(d, a)!r}): nothing changed")
+        if self.kind is EntryKind.BATCH_CHANGE and (d.old_world_size, d.old_global_batch) == (
+                d.new_world_size, d.new_global_batch):
+            raise ValueError(f"lineage {self.kind} entry: the same world ({d.old_world_size}) and global batch "
+                             f"({d.old_global_batch}) before and after: nothing changed")
         if self.kind is EntryKind.DEVICE_QUARANTINED and d.old_device is None and d.subject is None:
             raise ValueError("lineage device_quarantined entry: names neither old_device nor subject")
 

@@ -16,6 +16,7 @@ Layouts: the same layout loads, and so does another data-parallel degree (same t
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rankwatch.base.rundir import RunDir, read_launches
-from rankwatch.base.schema import Steps, Table
+from rankwatch.base.schema import EventKind, Events, Steps, Table
 from rankwatch.base.topology import Layout
 from rankwatch.collector.sink import partition_dir
 from rankwatch.recovery.catalog import Candidate, Verdict, list_checkpoints
@@ -116,6 +117,60 @@ def last_completed_step(run_dir: Path, *, before_attempt: int) -> int | None:
         if steps:
             best = max(steps) if best is None else max(best, *steps)
     return best
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchPlan:
+    """What an attempt trained with, as its Checkpointer's rank 0 said (`EventKind.GLOBAL_BATCH`)."""
+
+    attempt: int
+    global_batch: int
+    world_size: int
+
+
+def previous_batch_plan(run_dir: Path, *, before_attempt: int) -> BatchPlan | None:
+    """The latest attempt before `before_attempt` whose events say its global batch, from the events part files;
+    None when none does (no Checkpointer was given one, or its events never reached disk). Damaged parts and
+    malformed messages are skipped with a warning naming them, as in `last_completed_step`."""
+    root = partition_dir(run_dir, Table.EVENTS, 0).parent
+    best: BatchPlan | None = None
+    cols = [str(Events.KIND), str(Events.ATTEMPT), str(Events.MESSAGE)]
+    for part in sorted(root.glob("*/part-*.parquet")):
+        try:
+            d = pq.read_table(part, columns=cols).to_pydict()
+        except Exception as exc:
+            log.warning("rankwatch resume: %s: unreadable events part left out (%s)", part, type(exc).__name__)
+            continue
+        for kind, attempt, message in zip(*(d[c] for c in cols)):
+            if kind != EventKind.GLOBAL_BATCH or not isinstance(attempt, int) or attempt >= before_attempt:
+                continue
+            try:
+                doc = json.loads(message)
+                plan = BatchPlan(attempt=attempt, global_batch=int(doc["global_batch"]),
+                                 world_size=int(doc["world_size"]))
+            except (TypeError, ValueError, KeyError):
+                log.warning("rankwatch resume: %s: a global_batch event with a malformed message left out", part)
+                continue
+            if best is None or plan.attempt > best.attempt:
+                best = plan
+    return best
+
+
+def record_batch_change(run_dir: Path, *, before: BatchPlan, after: BatchPlan, verdict: Comparability) -> bool:
+    """Append a BATCH_CHANGE saying the global batch and world `after`'s attempt trains with, when they differ from
+    `before`'s (a restart from step 0 on another world: the recovery manager's lineage has the world change, the job
+    alone knows its batch). False, appending nothing, when nothing changed."""
+    if (before.global_batch, before.world_size) == (after.global_batch, after.world_size):
+        return False
+    kept = " (kept: re-split over the ranks)" if before.global_batch == after.global_batch else ""
+    Lineage(lineage_path(Path(run_dir))).append(NewEntry(kind=EntryKind.BATCH_CHANGE, verdict=verdict, details=Details(
+        old_world_size=before.world_size,
+        new_world_size=after.world_size, old_global_batch=before.global_batch, new_global_batch=after.global_batch,
+        attempt=after.attempt,
+        text=(f"attempt {after.attempt} trains from step 0 on {after.world_size} ranks (attempt {before.attempt}: "
+              f"{before.world_size}); global batch {before.global_batch} -> {after.global_batch} samples a "
+              f"step{kept}"))))
+    return True
 
 
 def preflight(run_dir: Path) -> None:
