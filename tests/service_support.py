@@ -80,3 +80,29 @@ def wait_for(pred: Callable[[], bool], timeout_s: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.02)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on, outside the kernel's ephemeral range. A port from the range (what binding
+    port 0 gives) can be handed to a client's probe as its own source before the server listens: the probe then
+    connects to itself (a TCP self-connect) and holds the port, and the server's bind fails. CI saw both halves:
+    `BadStatusLine: GET /healthz` and a service that never answered."""
+    import random
+    import socket
+
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    below = [p for p in range(10000, low) if p != 0]
+    above = list(range(high + 1, 65536))
+    ports = below + above
+    for _ in range(200):
+        port = random.choice(ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free loopback port outside the ephemeral range")

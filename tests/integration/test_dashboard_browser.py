@@ -9,7 +9,6 @@ $RANKWATCH_SCREENSHOTS when set: `docs/screenshots/` holds the committed ones)."
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,9 +39,9 @@ playwright = pytest.importorskip("playwright.sync_api")
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from service_support import free_port
+
+    return free_port()
 
 
 @pytest.fixture(scope="module")

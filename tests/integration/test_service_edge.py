@@ -22,15 +22,13 @@ from pathlib import Path
 import pytest
 
 from rankwatch.base.rundir import RunDir
-from service_support import SECRET, TOKEN, contract_body, incident, signed, wait_for
+from service_support import SECRET, TOKEN, contract_body, free_port, incident, signed, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import itertools
 import json
 import random
 import re
-import socket
 import stat
 import threading
 import time
@@ -513,10 +512,9 @@ class Receiver:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    from service_support import free_port
+
+    return free_port()
 
 
 @pytest.fixture

@@ -476,16 +476,15 @@ def test_an_address_in_use_fails_before_anything_is_launched(run_dir: Path, tmp_
 def test_serve_runs_in_the_foreground_and_ends_cleanly_on_sigterm(tmp_path: Path) -> None:
     """What `rankwatch manager serve` calls: uvicorn in the main thread, its own SIGTERM handling, state closed."""
     import signal
-    import socket
     import subprocess
     import sys
 
     run_dir = tmp_path / "run-s"
     secret = tmp_path / "secret"
     secret.write_text(SECRET + "\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from service_support import free_port
+
+    port = free_port()
     code = ("import sys; from pathlib import Path; from rankwatch.control.service import serve; "
             "from rankwatch.canary import CanaryLauncher, config_from_run; "
             f"sys.exit(serve(Path({str(run_dir)!r}), launcher=CanaryLauncher(), load_job=config_from_run, "
