@@ -594,8 +594,9 @@ class Checkpointer:
         knows the world it relaunched on, only the job knows the batch it re-planned)."""
         if self.rank != 0:
             return 0
-        before = previous_batch_plan(self.run_dir, before_attempt=self.attempt)
         if self._ordered == FROM_START:  # the manager's restart is in the lineage already
+            before = (previous_batch_plan(self.run_dir, before_attempt=self.attempt)
+                      if self._global_batch is not None else None)
             if before is not None and self._global_batch is not None:
                 now = BatchPlan(attempt=self.attempt, global_batch=self._global_batch, world_size=self.world_size)
                 reasons = ((ChangeReason.BATCH_COMPOSITION,) if now.global_batch != before.global_batch else ()) + (
@@ -604,6 +605,7 @@ class Checkpointer:
         else:
             previous = last_completed_step(self.run_dir, before_attempt=self.attempt)
             if previous is not None:
+                before = previous_batch_plan(self.run_dir, before_attempt=self.attempt)
                 old_world = before.world_size if before is not None else self.world_size
                 verdict = comparability_of_resume(self.layout, self.layout, old_world, self.world_size,
                                                   same_code=True, same_config=True)
