@@ -18,7 +18,9 @@ from rankwatch.base.schema import GroupKind
 from rankwatch.base.topology import Layout
 from rankwatch.collector import Collector, CollectorConfig, MemorySink
 from rankwatch.recovery.catalog import AGREED, DISAGREED, MANIFEST, Manifest, Verdict, list_checkpoints
-from rankwatch.recovery.checkpointer import Checkpointer, agreement_of, agreement_over, job_layout, rng_fields
+from rankwatch.recovery.checkpointer import (
+    Checkpointer, RngScope, agreement_of, job_layout, rng_fields,
+)
 from rankwatch.recovery.gate import Field, RankState
 from rankwatch.recovery.lineage import lineage_path
 from rankwatch.recovery.resume import GateRefused
@@ -128,16 +130,27 @@ def test_a_save_is_judged_by_the_gates_own_domains() -> None:
     assert "ranks [3] differ in data_position" in agreement_of(ahead, rng=(), position=True)
 
 
-def test_the_canarys_saves_are_judged_by_its_own_gate() -> None:
-    from rankwatch.canary.resume import gate_domains
+def test_a_model_split_by_hand_is_judged_by_its_data_parallel_groups() -> None:
+    """The canary's case: no DTensor, a (dp, tp, pp) layout given. Each rank's replicas are its dp group, so two
+    pipeline stages holding different parameters, and drawing torch numbers apart (declared ``replicas``), is no
+    disagreement; a replica that differs in either is; a stream declared replicated is compared across the world."""
+    layout = Layout.parse("dp=2,pp=2")
+    dp_groups = [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [layout.rank_of(dp=d, tp=0, pp=p) for p in range(2) for d in range(2)] == [0, 1, 2, 3]
+    kw: dict[str, Any] = {"rng": (Field.RNG_PYTHON,), "position": True, "replica_rng": (Field.RNG_TORCH,)}
 
-    domains = gate_domains(Layout.parse("dp=2,pp=2"))
-    assert [(d.name, d.ranks) for d in domains][0] == ("world", (0, 1, 2, 3))
-    votes = [_vote(r, ()) for r in range(4)]
-    assert agreement_over(votes, domains) == AGREED
-    votes[1] = _vote(1, (), rng_python="py'")  # the canary seeds every stream alike: compared within its dp group
-    text = agreement_over(votes, domains)
-    assert text.startswith(DISAGREED) and "differ in rng_python" in text and "world" not in text
+    def votes(**at3: str) -> list[Any]:
+        out = [_vote(r, dp_groups[r], param=f"stage{r // 2}", rng_torch=f"t{r // 2}") for r in range(4)]
+        out[3] = _vote(3, (2, 3), **({"param": "stage1", "rng_torch": "t1"} | at3))
+        return out
+
+    assert agreement_of(votes(), **kw) == AGREED
+    text = agreement_of(votes(param="stage1'"), **kw)
+    assert text.startswith(DISAGREED) and "replicas:2,3 [2, 3]: disagree: ranks" in text and "param" in text
+    text = agreement_of(votes(rng_torch="t1'"), **kw)
+    assert text.startswith(DISAGREED) and "replicas:2,3" in text and "rng_torch" in text and "world" not in text
+    text = agreement_of(votes(rng_python="py'"), **kw)
+    assert text.startswith(DISAGREED) and "world" in text and "rng_python" in text
 
 
 def test_a_save_the_ranks_disagreed_on_is_never_chosen_nor_pushes_out_the_last_one_they_agreed_on(
@@ -253,8 +266,12 @@ def test_rng_declarations() -> None:
     assert rng_fields({"torch": "replicated", "python": "per_rank"}) == (Field.RNG_TORCH,)
     with pytest.raises(ValueError, match=r"rng names unknown stream\(s\) \['jax'\]"):
         rng_fields({"jax": "replicated"})
-    with pytest.raises(ValueError, match="rng scope 'same' is not 'replicated' or 'per_rank'"):
+    with pytest.raises(ValueError, match="rng scope 'same' is none of 'replicated', 'replicas', 'per_rank'"):
         rng_fields("same")
+    # alike within each shard's replicas: compared in the consistency domains, not across the world
+    mixed = {"python": "replicated", "torch": "replicas", "cuda": RngScope.REPLICAS}
+    assert rng_fields(mixed) == (Field.RNG_PYTHON,)
+    assert rng_fields(mixed, RngScope.REPLICAS) == (Field.RNG_TORCH, Field.RNG_CUDA)
 
 
 def test_job_layout_from_mesh_dimension_names() -> None:
@@ -387,3 +404,23 @@ def test_a_half_written_asynchronous_save_is_never_chosen(tmp_path: Path, world_
     release.set()
     result = first.ckpt.wait()
     assert result is not None and not result.ok and "killed" in result.reason
+
+
+def test_a_layout_given_by_hand_must_hold_the_world_and_not_come_with_a_mesh(tmp_path: Path, world_of_one: Any) -> None:
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    kw: dict[str, Any] = {"lr_scheduler": None, "grad_scaler": None, "data": None, "rng": "replicated", "every": 0,
+                          "run_dir": tmp_path, "attempt": 0}
+    c = Checkpointer(_null(), model, optimizer, layout=Layout(dp=1), **kw)
+    assert c.layout == Layout(dp=1) and c.members() == (0,) and c.attempt == 0
+    with pytest.raises(ValueError, match=r"the layout dp=2,tp=1,pp=1 holds 2 ranks, the world 1"):
+        Checkpointer(_null(), model, optimizer, layout=Layout(dp=2), **kw)
+    mesh = SimpleNamespace(mesh_dim_names=("dp",), ndim=1, shape=(1,), size=lambda i: 1)
+    with pytest.raises(ValueError, match="pass a mesh .* or a layout .*, not both"):
+        Checkpointer(_null(), model, optimizer, layout=Layout(dp=1), mesh=mesh, **kw)
+
+
+def _null() -> Any:
+    from rankwatch.collector.null import NullCollector
+
+    return NullCollector(rank=0, world_size=1)

@@ -305,7 +305,7 @@ def test_training_processes_do_not_load_the_analysis_stack() -> None:
     """What a training rank and the canary's launcher import — the collector, the recovery contract, the canary —
     loads neither DuckDB, polars nor scikit-learn, nor analytics or the live loop."""
     code = ("import sys, rankwatch.collector, rankwatch.recovery, rankwatch.canary, rankwatch.canary.loop, "
-            "rankwatch.canary.launcher, rankwatch.canary.resume, rankwatch.recovery.job; "
+            "rankwatch.canary.launcher, rankwatch.recovery.checkpointer, rankwatch.recovery.job; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('duckdb', 'polars', 'sklearn') "
             "or m.startswith(('rankwatch.analytics', 'rankwatch.control'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

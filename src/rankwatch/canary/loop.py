@@ -9,7 +9,6 @@ parallelism is explicit send/recv between neighbouring stages, microbatch by mic
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import logging
 import os
@@ -37,17 +36,10 @@ from rankwatch.canary.config import CanaryConfig, slot_of
 from rankwatch.canary.faults import DEVICE_ERROR_TEXT, FlipTarget
 from rankwatch.canary.model import ShardedLoader, Stage, SyntheticRegression
 from rankwatch.canary.parallel import build_groups
-from rankwatch.canary.resume import gate_domains, resume
 from rankwatch.collector.collector import Collector, CollectorConfig
-from rankwatch.collector.fingerprint import nonfinite_counts
 from rankwatch.collector.gpu import ReplaySampler, open_sampler
 from rankwatch.collector.null import NullCollector
-from rankwatch.recovery.checkpoint import (
-    CheckpointConfig, CheckpointFault, commit_checkpoint, current_versions, stage_checkpoint,
-)
-from rankwatch.recovery.checkpointer import agreement_over
-from rankwatch.recovery.determinism import pin_ddp_buckets
-from rankwatch.recovery.gate import rank_state
+from rankwatch.recovery.checkpointer import Checkpointer, RngScope
 
 log = logging.getLogger("rankwatch.canary")
 
@@ -238,8 +230,6 @@ class _Rank:
         self.extra = self._calibrate_extra() if self.faults.slows_device(self.rank) else None
         self.stage.set_all_reduce(self._tp_all_reduce)
         self.ddp = DDP(self.stage, process_group=self.groups.dp)
-        if self.cfg.pin_ddp_buckets:
-            pin_ddp_buckets(self.ddp)  # the first step after a restart reduces in the same buckets as every other
         # the link-fault delay runs inside the timed bucket all-reduce; without faults there is nothing to call
         link_delay = self._link_delay if self.faults else None
         self.ddp.register_comm_hook(None, self.c.ddp_comm_hook(self.groups.dp, before=link_delay))
@@ -252,11 +242,9 @@ class _Rank:
         if self.cfg.replay_basis is not None and self.rank == 0:
             self.c.event(EventKind.REPLAY_BASIS, step=self.cfg.replay_basis,
                          message=f"earlier attempts are a replay reference before step {self.cfg.replay_basis} only")
+        self.ckpt = self._checkpointer()
         if self.cfg.resume:
-            resumed = resume(self.c, self.cfg, rank=self.rank, groups=self.groups, model=self.stage,
-                             optimizer=self.optimizer)
-            self.loader.position = resumed.load.data_position
-            self.start_step = resumed.next_step
+            self.start_step = self.ckpt.resume(self.cfg.resume_from)
             if self.faults and (nudge := self.faults.nudge_after_load()) is not None:
                 self._nudge(nudge.param, nudge.index)
 
@@ -399,8 +387,9 @@ class _Rank:
             loss_value = float(sum(losses)) if losses else None
             rec.loss = loss_value
             rec.data_position = self.loader.position
-            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                self.checkpoint(step)  # inside the step: a checkpoint stall shows as a slow step, attributed
+            # a save inside the step: its stall shows as a slow step, attributed; a save that fails (ENOSPC, ...)
+            # commits nothing on any rank, is recorded, and training goes on
+            self.ckpt.after_step(step)
         for h in handles:
             h.remove()
         return loss_value
@@ -440,21 +429,23 @@ class _Rank:
             domain_ranks=self.groups.dp_info.ranks, data_position=self.loader.position, force=force,
         )
 
-    def checkpoint(self, step: int) -> None:
-        # a save that fails (ENOSPC, ...) commits nothing on any rank and was recorded; training goes on
-        staged = stage_checkpoint(self.c, step=step, rank=self.rank, layout=self.layout, model=self.stage,
-                                  optimizer=self.optimizer, data_position=self.loader.position,
-                                  versions=current_versions(self.cfg))
-        # judged as its resume gate judges (`canary.resume.gate_domains`): a save the ranks disagreed on is never a
-        # recovery point, and retention keeps the last one they agreed on
-        state = rank_state(rank=self.rank, step=step, data_position=self.loader.position, model=self.stage,
-                           optimizer=self.optimizer)
-        domains = gate_domains(self.layout)
-        staged = dataclasses.replace(
-            staged, vote=(state, tuple(self.groups.dp_info.ranks), nonfinite_counts(self.stage, self.optimizer)),
-            judge=lambda votes: agreement_over(votes, domains))
-        commit_checkpoint(self.c, CheckpointConfig(fault=CheckpointFault.from_env()), staged,
-                          run_dir=self.cfg.run_dir, group=self.groups.world)
+    def _checkpointer(self) -> Checkpointer:
+        """The recovery contract as any job uses it (`recovery.Checkpointer`): the canary splits its model by hand,
+        so its layout is given and each (tp, pp) shard is its own DCP key; every rank seeds every RNG stream alike,
+        and Python's and numpy's stay alike, but building a stage draws torch numbers by its layers (`nn.Linear`'s
+        own init, overwritten), so torch's streams are alike within each shard's replicas; the data position is the job's global sample count (`ShardedLoader.state_dict`), which every rank
+        must agree on and any dp degree re-slices. The config hashed into each manifest is what changes the
+        numerics, without the layout (a dp change is recorded as one, not as another config)."""
+        cfg = self.cfg
+        numerics = {"model": cfg.model, "seed": cfg.seed, "global_batch": cfg.global_batch,
+                    "microbatches": cfg.microbatches, "lr": cfg.lr, "threads": cfg.threads}
+        return Checkpointer(self.c, self.ddp, self.optimizer, lr_scheduler=None, grad_scaler=None, data=self.loader,
+                            rng={"python": RngScope.REPLICATED, "numpy": RngScope.REPLICATED,
+                                 "torch": RngScope.REPLICAS, "cuda": RngScope.REPLICAS},
+                            every=cfg.checkpoint_every, layout=self.layout,
+                            config=numerics, seed=cfg.seed, run_dir=cfg.run_dir, group=self.groups.world,
+                            global_batch=cfg.global_batch, position=lambda: self.loader.position,
+                            attempt=cfg.attempt, pin_buckets=cfg.pin_ddp_buckets)
 
     def run(self) -> None:
         ends: list[int] = []

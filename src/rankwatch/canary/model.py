@@ -163,6 +163,14 @@ class ShardedLoader:
     def skip(self, samples: int) -> None:
         self.position += samples
 
+    def state_dict(self) -> dict[str, int]:
+        """The data position as a checkpoint keeps it (`recovery.Checkpointer`'s `data`): the global sample count,
+        which any dp degree re-slices."""
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
     def __iter__(self) -> ShardedLoader:
         return self
 

@@ -625,16 +625,18 @@ def load_checkpoint(
     rest of the per-rank state. Collective over `group`. With `verify`, the ranks split the manifest's files,
     check their SHA-256 and agree on the result before anything is loaded (ValueError if any is damaged).
     `state_key` as `stage_checkpoint` was given it. With one `state_key` for every rank, a checkpoint saved by
-    another data-parallel degree (same tp and pp) loads too: DCP reads each tensor for the new sharding, and rank r
-    takes the rank file of old rank r mod the old world size (its RNG states, data position and fingerprints; the job
-    re-plans its data over the new replicas, and lineage marks the resume CHANGED)."""
+    another data-parallel degree (same tp and pp) loads too: DCP reads each tensor for the new sharding, and the rank
+    at (dp, tp, pp) takes the rank file of the old rank at (dp mod the old dp degree, tp, pp), a replica of its own
+    shard (its RNG states, data position and fingerprints; the job re-plans its data over the new replicas, and
+    lineage marks the resume CHANGED)."""
     manifest = candidate.manifest
     if candidate.verdict is not Verdict.COMMITTED or manifest is None:
         raise ValueError(f"checkpoint {candidate.path}: {candidate.verdict} ({candidate.reason}); not loadable")
     if manifest.layout != layout and (state_key is None or (manifest.layout.tp, manifest.layout.pp) != (layout.tp,
                                                                                                        layout.pp)):
         raise ValueError(f"checkpoint {candidate.path}: layout incompatible: saved by {manifest.layout}, job is {layout}")
-    source = rank % manifest.world_size
+    dp, tp, pp = layout.coords(rank)
+    source = manifest.layout.rank_of(dp=dp % manifest.layout.dp, tp=tp, pp=pp)
     ckpt, step, world = manifest.checkpoint_id, manifest.step, layout.world_size
     if verify:
         with collector.checkpoint_phase(step, ckpt, CheckpointPhase.VERIFY) as rec:

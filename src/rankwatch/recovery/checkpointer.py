@@ -33,8 +33,10 @@ reasons) and every rank loads it; then the consistency gate (`recovery.gate`) mu
 - ranks that must hold equal parameters and optimizer state (`collector.fingerprint.consistency_domain`: every rank
   under DDP, replicas of a shard under HSDP; nobody else under FSDP2 or FSDP + TP) hold equal hashes;
 - the RNG streams the job declares replicated (``rng={"torch": "replicated"}``: every rank seeded torch alike) are
-  equal on every rank; a stream declared ``per_rank`` (seeded by rank on purpose), or not named (Python's and
-  numpy's, which most scripts never seed), is not compared across ranks — its restore is still checked.
+  equal on every rank; those declared ``replicas`` (alike within each shard's replicas, as when each pipeline
+  stage seeds or draws on its own) are equal within each consistency domain; a stream declared ``per_rank`` (seeded
+  by rank on purpose), or not named (Python's and numpy's, which most scripts never seed), is not compared across
+  ranks — its restore is still checked.
 
 Anything else raises `GateRefused` on every rank alike, and training does not start. After the gate, rank 0 appends
 the lineage (`recovery.resume.record_resume`: RESTART, or ROLLBACK and the range of steps trained twice, world-size
@@ -67,7 +69,7 @@ import torch.distributed as dist
 
 import rankwatch
 from rankwatch.base.schema import ChangeReason, EventKind, GroupKind
-from rankwatch.base.topology import Layout, group_kind
+from rankwatch.base.topology import Layout, group_kind, group_specs
 from rankwatch.collector.fingerprint import (
     consistency_domain, domain_name, hash_optimizer, hash_tensors, nonfinite_counts, rng_hashes,
 )
@@ -76,7 +78,8 @@ from rankwatch.recovery.catalog import (
     AGREED, DISAGREED, PIECE_MISSING, PIECE_NONE, PIECE_SAVED, Versions, list_checkpoints,
 )
 from rankwatch.recovery.checkpoint import (
-    CheckpointConfig, CheckpointFault, SaveResult, Staged, commit_checkpoint, load_checkpoint, stage_checkpoint,
+    CheckpointConfig, CheckpointFault, SaveResult, Staged, commit_checkpoint, load_checkpoint, shard_key,
+    stage_checkpoint,
 )
 from rankwatch.recovery.decision import GateVerdict
 from rankwatch.recovery.determinism import DDP_BUCKET_CAP_MB, DeterminismInputs, pin_ddp_buckets
@@ -88,7 +91,7 @@ from rankwatch.recovery.resume import (
     record_resume,
 )
 
-__all__ = ["STATE_KEY", "Checkpointer", "RngScope", "Stateful", "Vote", "agreement_of", "agreement_over", "gate_domains",
+__all__ = ["STATE_KEY", "Checkpointer", "RngScope", "Stateful", "Vote", "agreement_of", "gate_domains",
            "job_layout", "job_versions"]
 
 STATE_KEY = "state"
@@ -104,14 +107,20 @@ class RngScope(StrEnum):
 
     REPLICATED = "replicated"
     """Every rank seeds and draws alike: the gate compares the stream across all ranks."""
+    REPLICAS = "replicas"
+    """The replicas of a shard seed and draw alike, other shards need not (Megatron seeds each pipeline stage on its
+    own; a stage that builds other layers draws other numbers while it builds them): the gate compares the stream
+    within each rank's consistency domain (`Checkpointer.members`)."""
     PER_RANK = "per_rank"
     """Each rank seeds its own (seed + rank, as many scripts do), or nobody seeds it: each rank's restored state is
     checked against what it saved, never against a peer's."""
 
 
-def rng_fields(rng: RngScope | str | Mapping[str, RngScope | str]) -> tuple[Field, ...]:
-    """The gate fields of the streams declared replicated: one scope for every stream, or a scope per stream name
-    (python, numpy, torch, cuda; a stream not named is per rank). ValueError naming an unknown stream or scope."""
+def rng_fields(rng: RngScope | str | Mapping[str, RngScope | str],
+               scope: RngScope = RngScope.REPLICATED) -> tuple[Field, ...]:
+    """The gate fields of the streams declared with `scope` (default: replicated): one scope for every stream, or a
+    scope per stream name (python, numpy, torch, cuda; a stream not named is per rank). ValueError naming an unknown
+    stream or scope."""
     if isinstance(rng, Mapping):
         unknown = sorted(set(rng) - set(_RNG_STREAMS))
         if unknown:
@@ -120,15 +129,15 @@ def rng_fields(rng: RngScope | str | Mapping[str, RngScope | str]) -> tuple[Fiel
         scopes = {name: _scope(value) for name, value in rng.items()}
     else:
         scopes = dict.fromkeys(_RNG_STREAMS, _scope(rng))
-    return tuple(f for name, f in _RNG_STREAMS.items() if scopes.get(name) is RngScope.REPLICATED)
+    return tuple(f for name, f in _RNG_STREAMS.items() if scopes.get(name) is scope)
 
 
 def _scope(value: RngScope | str) -> RngScope:
     try:
         return RngScope(value)
     except ValueError:
-        raise ValueError(f"rankwatch.recovery.Checkpointer: rng scope {value!r} is not "
-                         f"{' or '.join(repr(str(s)) for s in RngScope)}") from None
+        raise ValueError(f"rankwatch.recovery.Checkpointer: rng scope {value!r} is none of "
+                         f"{', '.join(repr(str(s)) for s in RngScope)}") from None
 
 
 class _Background:
@@ -223,17 +232,19 @@ def determinism_changes(manifest: Any, now: DeterminismInputs) -> tuple[str, ...
 
 
 def gate_domains(members: Sequence[Sequence[int]], *, world_size: int, rng: Sequence[Field],
-                 position: bool = False) -> list[Domain]:
+                 position: bool = False, replica_rng: Sequence[Field] = ()) -> list[Domain]:
     """The gate's domains from each rank's consistency-domain members (`consistency_domain`, in rank order): the
     world on the step, the RNG streams declared replicated (`rng`) and, where the job gives one (`position`), its
-    data position; each domain of two or more ranks on parameters and optimizer state."""
+    data position; each domain of two or more ranks on parameters, optimizer state and the RNG streams declared
+    alike within a shard's replicas (`replica_rng`)."""
     world = (Field.STEP, *rng, *((Field.DATA_POSITION,) if position else ()))
     domains = [Domain(name="world", ranks=tuple(range(world_size)), fields=world)]
     seen: set[tuple[int, ...]] = set()
     for ranks in members:
         if len(ranks) > 1 and tuple(ranks) not in seen:
             seen.add(tuple(ranks))
-            domains.append(Domain(name=domain_name(ranks), ranks=tuple(ranks), fields=(Field.PARAM, Field.OPTIM)))
+            domains.append(Domain(name=domain_name(ranks), ranks=tuple(ranks),
+                                  fields=(Field.PARAM, Field.OPTIM, *replica_rng)))
     return domains
 
 
@@ -242,23 +253,19 @@ Vote = tuple[RankState, Sequence[int], tuple[int, int]]
 non-finite elements in the parameters and the optimizer state it holds (`fingerprint.nonfinite_counts`)."""
 
 
-def agreement_of(votes: Sequence[Vote | None], *, rng: Sequence[Field], position: bool = False) -> str:
+def agreement_of(votes: Sequence[Vote | None], *, rng: Sequence[Field], position: bool = False,
+                 replica_rng: Sequence[Field] = ()) -> str:
     """`Manifest.agreement` of a save from every rank's vote (rank order; None from a rank that sent none): the
     resume gate's domains and fields (`gate_domains`) judged at the save, and no rank holding a NaN or inf (a value
     no other rank may hold a copy of under sharding, which resuming would carry on). A save the ranks disagreed on
     is never a recovery point (the gate would refuse most of them at the resume anyway) and retention keeps the
     last one they agreed on. Pure."""
-    present = [v for v in votes if v is not None]
-    return agreement_over(votes, gate_domains([v[1] for v in present], world_size=len(votes), rng=rng,
-                                              position=position))
-
-
-def agreement_over(votes: Sequence[Vote | None], domains: Sequence[Domain]) -> str:
-    """`agreement_of` over the given gate domains (a job whose gate is its own: the canary's). Pure."""
     missing = [r for r, v in enumerate(votes) if v is None]
     if missing:
         return f"{DISAGREED} no vote from ranks {missing}"
     present = [v for v in votes if v is not None]
+    domains = gate_domains([v[1] for v in present], world_size=len(votes), rng=rng, position=position,
+                           replica_rng=replica_rng)
     outcomes = [judge(d, [v[0] for v in present]) for d in domains]
     why = [o.message().removeprefix("consistency gate ") for o in outcomes if o.verdict is not GateVerdict.AGREE]
     why += [f"rank {v[0].rank} holds non-finite values ({v[2][0]} in its parameters, {v[2][1]} in its optimizer "
@@ -275,7 +282,8 @@ class Checkpointer:
                  rng: RngScope | str | Mapping[str, RngScope | str], every: int,
                  keep_last: int = 3, mesh: Any = None, config: Mapping[str, Any] | None = None, seed: int = 0,
                  run_dir: str | Path | None = None, group: Any = None, async_save: bool = False,
-                 global_batch: int | None = None, position: Callable[[], int] | None = None) -> None:
+                 global_batch: int | None = None, position: Callable[[], int] | None = None,
+                 layout: Layout | None = None, attempt: int | None = None, pin_buckets: bool = True) -> None:
         """`collector`: the attached collector (its rank, world size, attempt and run directory; a `NullCollector`
         works with `run_dir`). `every`: save after each `every`-th step (`after_step`); 0 saves only when `save` is
         called. `mesh`: the DeviceMesh the layout is read from. `config`: the job's settings that change its numerics
@@ -288,7 +296,14 @@ class Checkpointer:
         `position`: the job's data position as a number every rank must agree on (the samples the job consumed:
         the global batch times the batches its stream gave), where the job has one: compared across the ranks at
         every save and at the resume gate, so a rank whose stream ran ahead or behind makes its saves disagreed.
-        `data`'s own state is per rank (each rank's stream) and is checked only against what that rank saved."""
+        `data`'s own state is per rank (each rank's stream) and is checked only against what that rank saved.
+        `layout`: for a job that splits its model by hand, with no DeviceMesh and no DTensor (its own tensor-parallel
+        all-reduces and pipeline send/recv, as the canary does): its (dp, tp, pp) in `base.topology`'s rank order.
+        Each (tp, pp) shard is then saved under a DCP key of its own (`checkpoint.shard_key`: the shards' parameters
+        share names), and a rank's consistency domain is its data-parallel group (the replicas of its shard). A
+        resume on another dp degree loads too (each shard's replicas hold it whole). `attempt`: the attempt number
+        where the job's own launcher keeps it (default: the collector's, or the launch's). `pin_buckets`: False
+        leaves a DDP model's buckets to DDP (a job that measures what pinning changes; see `_pin_buckets`)."""
         self._position = position
         if global_batch is not None and global_batch < 1:
             raise ValueError(f"rankwatch.recovery.Checkpointer: global_batch must be >= 1, got {global_batch}")
@@ -300,6 +315,7 @@ class Checkpointer:
         self._scaler = grad_scaler
         self._data = data
         self._rng_fields = rng_fields(rng)
+        self._replica_rng_fields = rng_fields(rng, RngScope.REPLICAS)
         self._rng_text = json.dumps(dict(rng) if isinstance(rng, Mapping) else str(rng), default=str)
         if every < 0:
             raise ValueError(f"rankwatch.recovery.Checkpointer: every must be >= 0, got {every}")
@@ -315,9 +331,20 @@ class Checkpointer:
                              f"set {RUN_DIR_ENV})")
         self.run_dir = Path(where)
         # the collector's attempt; without one (RANKWATCH_DISABLE=1's NullCollector), the launch's own number
-        attempt = getattr(collector, "attempt", None)
+        attempt = attempt if attempt is not None else getattr(collector, "attempt", None)
         self.attempt = int(attempt) if attempt is not None else numbered(launch_env(), self.run_dir).attempt
-        self.layout = job_layout(mesh, self.world_size)
+        if layout is not None and mesh is not None:
+            raise ValueError("rankwatch.recovery.Checkpointer: pass a mesh (its layout is read from it) or a layout "
+                             "(a model split by hand), not both")
+        if layout is not None and layout.world_size != self.world_size:
+            raise ValueError(f"rankwatch.recovery.Checkpointer: the layout {layout} holds {layout.world_size} ranks, "
+                             f"the world {self.world_size}")
+        self.layout = layout if layout is not None else job_layout(mesh, self.world_size)
+        self._by_hand = layout is not None
+        self._key = shard_key(self.layout, self.rank) if self._by_hand else STATE_KEY
+        """The DCP key of this rank's model and optimizer: one for every rank (DCP's plan covers each DTensor shard
+        once), or one per shard of a model split by hand."""
+        self._members: tuple[int, ...] | None = None
         declared = os.environ.get(LAYOUT_ENV, "")
         if declared and declared != str(self.layout):
             raise ValueError(f"rankwatch.recovery.Checkpointer: the recovery manager was told this job's layout is "
@@ -328,7 +355,8 @@ class Checkpointer:
         self._versions = job_versions(config, seed=seed)
         self._group = group
         self.last_save: SaveResult | None = None
-        self.buckets_pinned = self._pin_buckets(model)
+        self.buckets_pinned = (self._pin_buckets(model) if pin_buckets else
+                               False if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None)
         if self.rank == 0 and global_batch is not None:  # what a restart from step 0 on another world compares with
             self._collector.event(EventKind.GLOBAL_BATCH, message=json.dumps(
                 {"global_batch": global_batch, "world_size": self.world_size}))
@@ -405,8 +433,9 @@ class Checkpointer:
         extra = {"data": data_state, "saved": self._hashes(data_state), "rng_scope": self._rng_text}
         staged = stage_checkpoint(
             self._collector, step=step, rank=self.rank, layout=self.layout, model=self._model,
-            optimizer=self._optimizer, data_position=-1, versions=self._versions, lr_scheduler=self._scheduler,
-            grad_scaler=self._scaler, state_key=STATE_KEY, rank_extra=extra, pieces=pieces)  # the position: in `data`
+            optimizer=self._optimizer, data_position=self._position_now(), versions=self._versions,
+            lr_scheduler=self._scheduler, grad_scaler=self._scaler, state_key=self._key, rank_extra=extra,
+            pieces=pieces)  # what restores the position: `data`'s state
         staged = replace(staged, vote=self._vote(step, extra["saved"]), judge=self._judge,
                          determinism=inputs_json(self.determinism()), global_batch=self._global_batch)
         if not self._async:
@@ -442,15 +471,28 @@ class Checkpointer:
 
     def _vote(self, step: int, saved: Mapping[str, str | None]) -> Vote:
         """This rank's word at a save of `step` (`Vote`)."""
-        _, members = consistency_domain(self._model, self.rank, self.world_size)
-        return self._state(step, saved), tuple(members), nonfinite_counts(self._model, self._optimizer)
+        return self._state(step, saved), self.members(), nonfinite_counts(self._model, self._optimizer)
+
+    def members(self) -> tuple[int, ...]:
+        """The ranks that must hold this rank's parameters and optimizer state bitwise alike, in rank order: its
+        data-parallel group for a model split by hand (`layout`), else `fingerprint.consistency_domain` of the model
+        (every rank under DDP, the replicas of a shard under HSDP, itself alone under FSDP2 or FSDP + TP). Worked
+        out once: the model's placement does not change while it trains."""
+        if self._members is None:
+            if self._by_hand:
+                self._members = next(tuple(ranks) for kind, _, ranks in group_specs(self.layout)
+                                     if kind is GroupKind.DP and self.rank in ranks)
+            else:
+                self._members = tuple(consistency_domain(self._model, self.rank, self.world_size)[1])
+        return self._members
 
     def _judge(self, votes: Sequence[Any]) -> str:
-        return agreement_of(votes, rng=self._rng_fields, position=self._position is not None)
+        return agreement_of(votes, rng=self._rng_fields, position=self._position is not None,
+                            replica_rng=self._replica_rng_fields)
 
     def _domains(self, members: Sequence[Sequence[int]]) -> list[Domain]:
         return gate_domains(members, world_size=self.world_size, rng=self._rng_fields,
-                            position=self._position is not None)
+                            position=self._position is not None, replica_rng=self._replica_rng_fields)
 
     def _position_now(self) -> int:
         """`position()` now; -1 where the job gives none, or where it raised (then this rank disagrees)."""
@@ -486,10 +528,11 @@ class Checkpointer:
         return self.wait()
 
     # -- resume ----------------------------------------------------------------------------------------------
-    def resume(self) -> int:
+    def resume(self, checkpoint_id: str | None = None) -> int:
         """Collective: load the newest usable checkpoint behind the consistency gate and record the lineage; returns
-        the step to train next (0 when the run has no checkpoint). Raises ValueError when checkpoints exist but none
-        is usable (each named with its reason), `GateRefused` when the gate does not agree."""
+        the step to train next (0 when the run has no checkpoint). `checkpoint_id`: that checkpoint (its folder's
+        name) or a ValueError saying why it cannot be used. Raises ValueError when checkpoints exist but none is
+        usable (each named with its reason), `GateRefused` when the gate does not agree."""
         self._resumed = True
         self.wait()
         if self.rank == 0 and os.environ.get(REPLAY_BASIS_ENV, ""):
@@ -498,7 +541,7 @@ class Checkpointer:
                                   message=f"earlier attempts are a replay reference before step {basis} only")
         box: list[Any] = [None]
         if self.rank == 0:
-            box[0] = self._choose()
+            box[0] = self._choose(checkpoint_id)
         dist.broadcast_object_list(box, src=0, group=self._group)
         choice = box[0]
         if isinstance(choice, str):
@@ -511,7 +554,7 @@ class Checkpointer:
             print(f"rankwatch: {choice.describe()}", flush=True)
             self._collector.event(EventKind.RECOVERY, message=choice.describe()[:1000])
         loaded = load_checkpoint(self._collector, chosen, rank=self.rank, layout=self.layout, group=self._group,
-                                 model=self._model, optimizer=self._optimizer, state_key=STATE_KEY)
+                                 model=self._model, optimizer=self._optimizer, state_key=self._key)
         extra = dict(loaded.extra)
         problems: list[str] = []
         if self._scheduler is not None:
@@ -563,17 +606,19 @@ class Checkpointer:
                           old_global_batch=m.global_batch, new_global_batch=self._global_batch)
         return loaded.step + 1
 
-    def _choose(self) -> Any:
+    def _choose(self, checkpoint_id: str | None) -> Any:
         """Rank 0: the plan, None when the run has no checkpoint candidates at all (or the recovery manager ordered a
         start from step 0), or the one-line refusal (also when the manager ordered a checkpoint and the newest usable
         one is another)."""
         if self._ordered == FROM_START:
             return None
         if not list_checkpoints(self.run_dir, verify=False):
+            if checkpoint_id is not None:
+                return f"asked to resume from {checkpoint_id}; the run has no checkpoint"
             return (None if self._ordered is None else
                     f"the recovery manager ordered a resume from {self._ordered}; the run has no checkpoint")
         try:
-            chosen = plan(self.run_dir, layout=self.layout)
+            chosen = plan(self.run_dir, layout=self.layout, checkpoint_id=checkpoint_id)
         except ValueError as exc:
             return str(exc)
         if self._ordered is not None and chosen.chosen.path.name != self._ordered:
@@ -621,8 +666,7 @@ class Checkpointer:
 
     def _gate(self, *, step: int, problems: Sequence[str], now: Mapping[str, str | None]) -> tuple[GateOutcome, ...]:
         """The gate over every rank: each rank's own restore check, then the domains (module docstring)."""
-        name, members = consistency_domain(self._model, self.rank, self.world_size)
-        mine = (tuple(problems), name, tuple(members))
+        mine = (tuple(problems), self.members())
         reports: list[Any] = [None] * self.world_size
         dist.all_gather_object(reports, mine, group=self._group)
         bad = [(r, p) for r, rep in enumerate(reports) for p in rep[0]]
@@ -630,7 +674,7 @@ class Checkpointer:
             text = "; ".join(f"rank {r}: {p}" for r, p in bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else "")
             self._collector.event(EventKind.RECOVERY, message=f"consistency gate: restore check failed: {text}"[:1000])
             raise GateRefused(f"refusing to train: restore check failed: {text}"[:500])
-        domains = self._domains([dranks for _, _, dranks in reports])
+        domains = self._domains([dranks for _, dranks in reports])
         outcomes = run_gate(self._state(step, now), domains=domains, group=self._group, world_size=self.world_size)
         for o in outcomes:
             if self.rank == min(o.ranks):

@@ -7,8 +7,9 @@
                                                 and the world-size / layout change
     preflight(run)                              what a resume checks before anything is launched
 
-A job's own resume (the canary's: `canary.resume`) loads the chosen checkpoint on every rank, passes the consistency
-gate (`recovery.gate`) and records the lineage; `GateRefused` is what it raises when the gate does not AGREE.
+A job's resume (`recovery.Checkpointer.resume`, the canary's too) loads the chosen checkpoint on every rank, passes
+the consistency gate (`recovery.gate`) and records the lineage; `GateRefused` is what it raises when the gate does
+not AGREE.
 Layouts: the same layout loads, and so does another data-parallel degree (same tp and pp): every dp replica of a
 (pp, tp) shard holds the full replicated state. A tp or pp change is refused (`loadable`).
 """
@@ -18,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -95,25 +98,32 @@ def plan(run_dir: Path, *, layout: Layout, checkpoint_id: str | None = None) -> 
     return Plan(chosen=chosen, rejected=tuple(rejected), requested=checkpoint_id is not None)
 
 
-def last_completed_step(run_dir: Path, *, before_attempt: int) -> int | None:
-    """The highest step any rank completed in attempts before `before_attempt`, from the steps part files. A part
-    that cannot be read, or whose columns are not integers, is skipped with a warning naming it: it is evidence of
-    what was trained, not something a resume from an intact checkpoint must stop on."""
-    root = partition_dir(run_dir, Table.STEPS, 0).parent
-    best: int | None = None
+def _parts(run_dir: Path, table: Table, columns: Sequence[str], *, integers: Sequence[str] = ()
+           ) -> Iterator[tuple[Path, dict[str, list[Any]]]]:
+    """Each part file of `table` in the run, as its `columns`. A part that cannot be read (cut short, not parquet,
+    a column missing) or whose `integers` columns are not integers is skipped with a warning naming it: it is
+    evidence of what was trained, not something a resume from an intact checkpoint must stop on."""
+    root = partition_dir(run_dir, table, 0).parent
     for part in sorted(root.glob("*/part-*.parquet")):
         try:
-            t = pq.read_table(part, columns=[str(Steps.STEP), str(Steps.ATTEMPT)])
-        except Exception as exc:  # cut short, not parquet, columns missing: the part is damaged
-            log.warning("rankwatch resume: %s: unreadable steps part left out of the replay range (%s)", part,
+            t = pq.read_table(part, columns=list(columns))
+        except Exception as exc:
+            log.warning("rankwatch resume: %s: unreadable %s part left out (%s)", part, table,
                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             continue
-        if not all(pa.types.is_integer(t.schema.field(c).type) for c in (str(Steps.STEP), str(Steps.ATTEMPT))):
-            log.warning("rankwatch resume: %s: steps part with non-integer step/attempt left out", part)
+        if not all(pa.types.is_integer(t.schema.field(c).type) for c in integers):
+            log.warning("rankwatch resume: %s: %s part with non-integer %s left out", part, table, "/".join(integers))
             continue
-        d = t.to_pydict()
-        steps = [s for s, a in zip(d[str(Steps.STEP)], d[str(Steps.ATTEMPT)])
-                 if s is not None and a is not None and a < before_attempt]
+        yield part, t.to_pydict()
+
+
+def last_completed_step(run_dir: Path, *, before_attempt: int) -> int | None:
+    """The highest step any rank completed in attempts before `before_attempt`, from the steps part files (damaged
+    parts skipped with a warning: `_parts`)."""
+    cols = (str(Steps.STEP), str(Steps.ATTEMPT))
+    best: int | None = None
+    for _, d in _parts(run_dir, Table.STEPS, cols, integers=cols):
+        steps = [s for s, a in zip(d[cols[0]], d[cols[1]]) if s is not None and a is not None and a < before_attempt]
         if steps:
             best = max(steps) if best is None else max(best, *steps)
     return best
@@ -132,15 +142,9 @@ def previous_batch_plan(run_dir: Path, *, before_attempt: int) -> BatchPlan | No
     """The latest attempt before `before_attempt` whose events say its global batch, from the events part files;
     None when none does (no Checkpointer was given one, or its events never reached disk). Damaged parts and
     malformed messages are skipped with a warning naming them, as in `last_completed_step`."""
-    root = partition_dir(run_dir, Table.EVENTS, 0).parent
     best: BatchPlan | None = None
-    cols = [str(Events.KIND), str(Events.ATTEMPT), str(Events.MESSAGE)]
-    for part in sorted(root.glob("*/part-*.parquet")):
-        try:
-            d = pq.read_table(part, columns=cols).to_pydict()
-        except Exception as exc:
-            log.warning("rankwatch resume: %s: unreadable events part left out (%s)", part, type(exc).__name__)
-            continue
+    cols = (str(Events.KIND), str(Events.ATTEMPT), str(Events.MESSAGE))
+    for part, d in _parts(run_dir, Table.EVENTS, cols):
         for kind, attempt, message in zip(*(d[c] for c in cols)):
             if kind != EventKind.GLOBAL_BATCH or not isinstance(attempt, int) or attempt >= before_attempt:
                 continue
