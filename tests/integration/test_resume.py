@@ -75,3 +75,19 @@ def test_resume_with_other_dp_is_marked_changed_and_other_tp_is_refused(tmp_path
     assert verify(lineage_path(run_dir)).ok
     final = _final(run_dir, 5)
     assert len(final) == 2 and final[0][1:] == final[1][1:]  # both new replicas hold the same state
+
+
+@pytest.mark.timeout(120)
+def test_a_pipeline_resumes_on_fewer_replicas_from_a_replica_of_each_stage(tmp_path: Path) -> None:
+    """dp=2,pp=2 saved, dp=1,pp=2 resumes: new rank 1 (stage 1) takes the rank file of old rank 2 (dp 0 of stage
+    1), not old rank 1 (dp 1 of stage 0): what it restored is what that replica saved, so the gate agrees."""
+    run_dir = tmp_path / "run"
+    base = dict(steps=4, checkpoint_every=2, fingerprint_every=0, pg_timeout_s=4.0)
+    assert run(canary(run_dir, layout="dp=2,pp=2", **base)).ok
+    resumed = run(replace(canary(run_dir, layout="dp=1,pp=2", **{**base, "steps": 6}), resume=True))
+    assert resumed.ok, resumed
+    entries = read(lineage_path(run_dir))
+    assert [e.kind for e in entries] == [EntryKind.RESTART, EntryKind.WORLD_SIZE_CHANGE, EntryKind.LAYOUT_CHANGE]
+    assert (entries[1].details.old_world_size, entries[1].details.new_world_size) == (4, 2)
+    gate = rows(run_dir, "SELECT message FROM events WHERE attempt = 1 AND message LIKE 'consistency gate%'")
+    assert gate and all(": agree" in str(m) for (m,) in gate), gate
