@@ -367,6 +367,19 @@ def _analyze(args: argparse.Namespace) -> int:
                         progress=not args.quiet, clock=args.clock)
 
 
+def _whatif(args: argparse.Namespace) -> int:
+    import json
+
+    from rankwatch.analytics.whatif import parse_steps, whatif
+
+    result = whatif(args.run_dir, steps=parse_steps(args.steps) if args.steps else None, attempt=args.attempt)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print("\n".join(f"rankwatch whatif: {line}" if i == 0 else line for i, line in enumerate(result.describe())))
+    return 0
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -753,7 +766,7 @@ _SAYS_IT_STARTED = {"recover": "reading the run, analysing it and deciding", "li
 own: a line on stderr at once when stderr is a terminal (a person waiting), so it never sits silent; a pipe or a log
 keeps its one line per outcome."""
 _READS_RUNS = frozenset({"telemetry", "analyze", "checkpoints", "evidence", "recover", "lineage", "rollup",
-                         "dashboard", "postmortem", "localize"})
+                         "dashboard", "postmortem", "localize", "whatif"})
 """Commands whose runs must exist and be runs."""
 
 ALIASES = {"analyse": "analyze"}
@@ -838,6 +851,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--clock", choices=("auto", "cpu", "device"), default="auto",
                    help="read timing from the CPU or the device (CUDA event) columns; auto: the device's where every "
                         "rank has them")
+    wi = sub.add_parser("whatif", help="what the run's slowness cost: its steps replayed with durations made ideal")
+    wi.add_argument("run_dir", type=Path, help=RUN_DIR_HELP)
+    wi.add_argument("--steps", default=None, metavar="A:B", help="the window (inclusive); default: every step each "
+                    "rank of the attempt completed, less the first")
+    wi.add_argument("--attempt", type=int, default=None, help="the attempt (default: the latest)")
+    wi.add_argument("--json", action="store_true", help="print the figures as JSON")
     sim = sub.add_parser("simulate", help="write synthetic telemetry at scale with ground-truth labels")
     sim.add_argument("--ranks", type=int, required=True, help="ranks of the simulated job")
     sim.add_argument("--hosts", type=int, required=True, help="hosts the ranks are spread over")
@@ -955,7 +974,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,
                 "evidence": _evidence, "recover": _recover, "rollup": _rollup, "lineage": _lineage,
                 "manager": _manager, "webhook-secret": _webhook_secret, "drill": _drill,
-                "dashboard": _dashboard, "postmortem": _postmortem}
+                "dashboard": _dashboard, "postmortem": _postmortem, "whatif": _whatif}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # bad input: one line, no traceback

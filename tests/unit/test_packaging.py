@@ -275,6 +275,10 @@ EXPORTS = {
         "same_fault",
     },
     "rankwatch.analytics.straggler": {"StragglerConfig", "detect_stragglers"},
+    "rankwatch.analytics.whatif": {
+        "Graph", "RankSteps", "Share", "WhatIf", "WhatIfInputError", "analyze_graph", "build_graph", "parse_steps",
+        "replay", "whatif",
+    },
     "rankwatch.canary.drills": {
         "DRILLS", "REPORT_FILE", "VICTIM", "DrillReport", "DrillSpec", "Tamper", "drill_config", "read_report",
         "reference_fingerprints", "report_json", "report_table", "run_drill", "run_drills", "write_report",

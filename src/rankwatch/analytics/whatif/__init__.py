@@ -1,0 +1,118 @@
+"""What-if analysis: what a run's slowness cost, and to whom (`analysis` defines the figures, `graph` the replay,
+`build` the graph from a run).
+
+    rankwatch whatif RUN [--steps A:B] [--attempt N] [--json]
+
+`whatif(run_dir)` reads one attempt's steps, collectives, dataloader waits and checkpoint phases, builds each rank's
+program, replays it as measured and with chosen durations made ideal, and returns the `WhatIf`: the job's slowdown S
+= T / T_ideal and what fixing each rank, stage, kind of work, collective op and group would save.
+
+The default window is every step each rank of the attempt completed, less the first (its lazy initialization is
+no one's slowness) when there are more than three.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from rankwatch.analytics.whatif.analysis import Share, WhatIf, analyze_graph
+from rankwatch.analytics.whatif.build import RankSteps, WhatIfInputError, build_graph
+from rankwatch.analytics.whatif.graph import Graph, replay
+
+__all__ = ["Graph", "RankSteps", "Share", "WhatIf", "WhatIfInputError", "analyze_graph", "build_graph", "replay",
+           "parse_steps", "whatif"]
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """'A:B' (inclusive) as (A, B); ValueError naming the text otherwise."""
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--steps {text!r}: expected FIRST:LAST, two step numbers") from None
+    if a < 0 or b < a:
+        raise ValueError(f"--steps {text!r}: expected 0 <= FIRST <= LAST")
+    return a, b
+
+
+def whatif(run_dir: Path | str, *, steps: tuple[int, int] | None = None, attempt: int | None = None) -> WhatIf:
+    """The what-if of one attempt of a run over a window of steps (module docstring). `WhatIfInputError` (a
+    ValueError) when the run holds no such steps, or not on every rank."""
+    from rankwatch.analytics import queries
+    from rankwatch.analytics.store import connect
+    from rankwatch.base.schema import Table
+
+    con = connect(run_dir)
+    tables = queries._tables(con)
+    missing = [t for t in (Table.STEPS, Table.COLLECTIVES) if t not in tables]
+    if missing:
+        raise WhatIfInputError(f"{run_dir}: no {' or '.join(str(t) for t in missing)} recorded: nothing to replay")
+    all_steps = queries._frame(con, "SELECT rank, attempt, step, start_mono_ns, end_mono_ns, "
+                               "coalesce(checkpoint_ns, 0) AS checkpoint_ns, device_compute_ns FROM steps")
+    if attempt is None:
+        attempt = int(all_steps["attempt"].max())  # type: ignore[arg-type]
+    rows = all_steps.filter(pl.col("attempt") == attempt)
+    if rows.height == 0:
+        raise WhatIfInputError(f"{run_dir}: attempt {attempt} completed no step")
+    ranks = sorted(rows["rank"].unique().to_list())
+    common = set.intersection(*(set(rows.filter(pl.col("rank") == r)["step"].to_list()) for r in ranks))
+    if steps is not None:
+        first, last = steps
+        window = set(range(first, last + 1))
+        short = [r for r in ranks if not window <= set(rows.filter(pl.col("rank") == r)["step"].to_list())]
+        if short:
+            raise WhatIfInputError(f"{run_dir}: steps {first}..{last} of attempt {attempt} were not all completed by "
+                                   f"ranks {short}")
+    else:
+        if not common:
+            raise WhatIfInputError(f"{run_dir}: no step of attempt {attempt} was completed by every rank")
+        first, last = min(common), max(common)
+        if last - first + 1 > 3:
+            first += 1
+        window = {s for s in common if first <= s <= last}
+    warnings: list[str] = []
+    if rows["device_compute_ns"].null_count() < rows.height:
+        warnings.append("the run has device timing; the what-if reads the CPU clock, where a CUDA job's host times "
+                        "are enqueueing (a device-timed replay is not built yet)")
+    rows = rows.filter(pl.col("step").is_in(sorted(window))).sort("rank", "step")
+    topo = queries.attempt_topology(con).filter(pl.col("attempt") == attempt)
+    stage_of = {r: 0 for r in ranks}
+    host_of = {r: "" for r in ranks}
+    for t in topo.iter_rows(named=True):
+        if t["rank"] in stage_of and t["pp"] is not None:
+            stage_of[int(t["rank"])] = int(t["pp"])
+        if t["rank"] in host_of and t["host"] is not None:
+            host_of[int(t["rank"])] = str(t["host"])
+    kinds = {str(g["group"]): str(g["kind"]) for g in queries.groups(con).iter_rows(named=True)}
+    colls = queries._frame(con, 'SELECT rank, op, "group", group_ranks, peer, bytes, async_op, enter_mono_ns, '
+                           "exit_mono_ns, enter_wall_ns, exit_wall_ns FROM collectives WHERE exit_mono_ns IS NOT NULL "
+                           "AND enter_mono_ns IS NOT NULL AND enter_wall_ns IS NOT NULL AND exit_wall_ns IS NOT NULL")
+    data = _spans(con, "SELECT rank, start_mono_ns AS s, start_mono_ns + duration_ns AS e FROM phases "
+                       "WHERE phase = 'data'", Table.PHASES in tables)
+    ckpt = _spans(con, "SELECT rank, start_mono_ns AS s, end_mono_ns AS e FROM checkpoint_phases",
+                  Table.CHECKPOINT_PHASES in tables)
+    per_rank: list[RankSteps] = []
+    measured = 0.0
+    for r in ranks:
+        mine = rows.filter(pl.col("rank") == r)
+        lo, hi = int(mine["start_mono_ns"].min()), int(mine["end_mono_ns"].max())  # type: ignore[arg-type]
+        measured = max(measured, float(hi - lo))
+        ops = colls.filter((pl.col("rank") == r) & (pl.col("enter_mono_ns") >= lo) & (pl.col("enter_mono_ns") <= hi))
+        per_rank.append(RankSteps(
+            rank=r, stage=stage_of[r], host=host_of[r], steps=mine.select("step", "start_mono_ns", "end_mono_ns", "checkpoint_ns"),
+            collectives=ops, data=[(s, e) for s, e in data.get(r, []) if lo <= s <= hi],
+            checkpoint=[(s, e) for s, e in ckpt.get(r, []) if lo <= s <= hi]))
+    graph = build_graph(per_rank, kinds)
+    return analyze_graph(graph, stage_of=stage_of, measured_ns=measured, first_step=min(window),
+                         last_step=max(window), attempt=attempt, warnings=warnings)
+
+
+def _spans(con: object, sql: str, present: bool) -> dict[int, list[tuple[int, int]]]:
+    if not present:
+        return {}
+    out: dict[int, list[tuple[int, int]]] = {}
+    for rank, s, e in con.execute(sql).fetchall():  # type: ignore[attr-defined]
+        if s is not None and e is not None:
+            out.setdefault(int(rank), []).append((int(s), int(e)))
+    return out

@@ -1,0 +1,159 @@
+"""The what-if replay and its figures on small hand-built step graphs with answers worked out by hand: data parallel
+with one slow rank, a 1F1B pipeline with an unevenly partitioned stage, a slow link; and the damaged cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rankwatch.analytics.whatif import Graph, WhatIf, analyze_graph, parse_steps, replay
+from rankwatch.analytics.whatif.graph import Instance, Item, Join, Launch, Mark, Work
+
+
+class _Builder:
+    """Programs written by hand: `work(rank, ns, key)`, `sync(i)` (launch and join), `mark(step)`."""
+
+    def __init__(self) -> None:
+        self.programs: dict[int, list[Item]] = {}
+        self.work: list[Work] = []
+        self.ns: list[float] = []
+        self.instances: list[Instance] = []
+        self.transfer: list[float] = []
+
+    def instance(self, op: str, members: tuple[int, ...], transfer: float, *, group: str = "g", step: int = 0,
+                 after: int | None = None, key: tuple[object, ...] | None = None) -> int:
+        i = len(self.instances)
+        self.instances.append(Instance(id=i, op=op, group=group, members=members, after=after, step=step,
+                                       key=key or (op, group)))
+        self.transfer.append(transfer)
+        return i
+
+    def do(self, rank: int, *items: object) -> None:
+        prog = self.programs.setdefault(rank, [])
+        for it in items:
+            if isinstance(it, tuple) and it[0] == "w":  # ("w", ns, key, kind)
+                _, ns, key, *kind = it
+                w = Work(id=len(self.work), kind=kind[0] if kind else "compute", step=0, key=key)
+                self.work.append(w)
+                self.ns.append(float(ns))
+                prog.append(w)
+            elif isinstance(it, tuple) and it[0] == "sync":
+                prog += [Launch(it[1]), Join((it[1],))]
+            else:
+                prog.append(it)  # type: ignore[arg-type]
+
+    def graph(self) -> Graph:
+        return Graph(programs={r: tuple(p) for r, p in self.programs.items()}, instances=tuple(self.instances),
+                     work=tuple(self.work), work_ns=np.array(self.ns), transfer_ns=np.array(self.transfer))
+
+
+def _analyze(g: Graph, stage_of: dict[int, int]) -> WhatIf:
+    return analyze_graph(g, stage_of=stage_of, measured_ns=0.0, first_step=0, last_step=0)
+
+
+def _share(shares: tuple, subject: str):  # type: ignore[no-untyped-def]
+    return next(s for s in shares if s.subject == subject)
+
+
+def test_data_parallel_one_slow_rank() -> None:
+    """4 replicas: 10 ns of work each (rank 3: 20), then an all-reduce of 2. The step ends when the last member
+    arrives plus the transfer: T = 22; the ideal work is the replicas' median, 10: T_ideal = 12, S = 22/12. Rank 3
+    alone causes all of it (S_3 = S, fixing it saves 10 of 22); the others cause none."""
+    b = _Builder()
+    ar = b.instance("all_reduce", (0, 1, 2, 3), 2.0)
+    for r in range(4):
+        b.do(r, ("w", 20 if r == 3 else 10, ("fwd",)), ("sync", ar), Mark(0))
+    g = b.graph()
+    assert replay(g, g.work_ns, g.transfer_ns).makespan_ns == 22.0
+    w = _analyze(g, dict.fromkeys(range(4), 0))
+    assert (w.actual_ns, w.ideal_ns) == (22.0, 12.0) and w.slowdown == pytest.approx(22 / 12)
+    assert w.lost_share == pytest.approx(10 / 22)
+    slow = w.by_rank[0]
+    assert slow.subject == "rank:3" and slow.slowdown == pytest.approx(22 / 12)
+    assert slow.saved_ns == 10.0 and slow.saved_share == pytest.approx(10 / 22)
+    assert all(s.saved_ns == 0.0 and s.slowdown == 1.0 for s in w.by_rank[1:])
+    assert _share(w.by_kind, "kind:compute").saved_ns == 10.0
+    assert _share(w.by_op, "op:all_reduce").saved_ns == 0.0  # one instance: its own median
+    assert w.last_rank == (3, 1.0)
+    assert w.stage_partition is None and w.by_stage == ()
+
+
+def test_a_1f1b_pipeline_with_an_unevenly_partitioned_stage() -> None:
+    """Two stages, two microbatches, 1F1B, one rank per stage, transfers 0; a send and its receive complete together,
+    and where a stage sends and receives at once it posts both and waits for both (batch_isend_irecv). Stage 0: F 1,
+    B 2; stage 1: F 3, B 6. Worked by hand: activation 0 moves at 1; stage 1 runs F0 to 4 and B0 to 10, then
+    exchanges (gradient 0 out, activation 1 in, which stage 0 posted at 2): both at 10; stage 1 runs F1 to 13, B1 to
+    19 and sends gradient 1; stage 0 runs B0 to 12 and waits for gradient 1 until 19, B1 to 21. T = 21. Each stage
+    is its own only peer, so T_ideal = T (no worker is slower than its peers); the even re-partition (each stage's
+    compute scaled to 12 of the 24: F 2, B 4 on both) gives 18: 3 of 21 saved."""
+    b = _Builder()
+    act = [b.instance("send/recv", (0, 1), 0.0, key=("p2p",)) for _ in range(2)]
+    grad = [b.instance("send/recv", (0, 1), 0.0, key=("p2p",)) for _ in range(2)]
+
+    def both(*pairs: int) -> list[object]:
+        return [*(Launch(p) for p in pairs), Join(tuple(pairs))]
+
+    b.do(0, ("w", 1, ("s0", "F0")), *both(act[0]), ("w", 1, ("s0", "F1")), *both(act[1], grad[0]),
+         ("w", 2, ("s0", "B0")), *both(grad[1]), ("w", 2, ("s0", "B1")), Mark(0))
+    b.do(1, *both(act[0]), ("w", 3, ("s1", "F0")), ("w", 6, ("s1", "B0")), *both(grad[0], act[1]),
+         ("w", 3, ("s1", "F1")), ("w", 6, ("s1", "B1")), *both(grad[1]), Mark(0))
+    g = b.graph()
+    run = replay(g, g.work_ns, g.transfer_ns)
+    assert run.finish_ns == {0: 21.0, 1: 19.0} and run.step_end_ns == {0: 21.0}
+    w = _analyze(g, {0: 0, 1: 1})
+    assert w.slowdown == 1.0 and all(s.saved_ns == 0.0 for s in w.by_rank)
+    assert w.stage_partition is not None
+    assert w.stage_partition.saved_ns == pytest.approx(3.0) and w.stage_partition.saved_share == pytest.approx(3 / 21)
+    # the first activation taking 1 to move: everything after it moves on by 1
+    slow = replay(g, g.work_ns, np.where(np.arange(len(g.transfer_ns)) == act[0], 1.0, 0.0))
+    assert slow.makespan_ns == 22.0
+
+
+def test_a_slow_link_is_the_group_whose_transfers_exceed_its_kinds() -> None:
+    """Three data-parallel groups of two, 10 of work each, one all-reduce per step for two steps (each waits for
+    the group's previous one). Group g2's link moves the same bytes in 10 instead of 2. T = 2 * (10 + 10) = 40; the
+    ideal transfer is the median over the groups' instances of the same op and size, 2: T_ideal = 24; fixing g2
+    saves 16 of 40, and no rank is to blame."""
+    b = _Builder()
+    key = ("all_reduce", "dp", 4096)
+    for gi, ranks in enumerate([(0, 1), (2, 3), (4, 5)]):
+        transfer = 10.0 if gi == 2 else 2.0
+        first = b.instance("all_reduce", ranks, transfer, group=f"g{gi}", key=key)
+        second = b.instance("all_reduce", ranks, transfer, group=f"g{gi}", key=key, after=first, step=1)
+        for r in ranks:
+            b.do(r, ("w", 10, ("s", 0)), ("sync", first), Mark(0), ("w", 10, ("s", 1)), ("sync", second), Mark(1))
+    g = b.graph()
+    w = _analyze(g, dict.fromkeys(range(6), 0))
+    assert (w.actual_ns, w.ideal_ns) == (40.0, 24.0)
+    link = w.by_group[0]
+    assert link.subject == "group:g2" and link.saved_ns == 16.0 and link.slowdown == pytest.approx(40 / 24)
+    assert all(s.saved_ns == 0.0 for s in w.by_rank)
+
+
+def test_an_operation_queues_behind_the_one_before_it_on_its_communicator() -> None:
+    """Two asynchronous all-reduces on one group, launched at 1 and 2, 5 each: the second starts when the first
+    ends (6), not at its launch: both joined at 2, the rank goes on at 11."""
+    b = _Builder()
+    first = b.instance("all_reduce", (0,), 5.0)
+    second = b.instance("all_reduce", (0,), 5.0, after=first)
+    b.do(0, ("w", 1, ("a",)), Launch(first), ("w", 1, ("b",)), Launch(second), Join((first, second)), Mark(0))
+    g = b.graph()
+    assert replay(g, g.work_ns, g.transfer_ns).makespan_ns == 11.0
+
+
+def test_a_join_no_member_can_complete_is_a_one_line_error() -> None:
+    b = _Builder()
+    ar = b.instance("all_reduce", (0, 1), 1.0)
+    b.do(0, ("w", 1, ("a",)), ("sync", ar), Mark(0))
+    b.do(1, ("w", 1, ("a",)), Mark(0))  # rank 1's part of the all-reduce was never recorded
+    g = b.graph()
+    with pytest.raises(ValueError, match=r"rank 0 waits forever on all_reduce #0 of group g at step 0 .*members' "
+                                         r"launches are missing"):
+        replay(g, g.work_ns, g.transfer_ns)
+
+
+def test_steps_argument() -> None:
+    assert parse_steps("3:9") == (3, 9)
+    for bad in ("9:3", "x", "1:2:3", "-1:4"):
+        with pytest.raises(ValueError, match="--steps"):
+            parse_steps(bad)
