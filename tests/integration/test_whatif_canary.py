@@ -1,7 +1,7 @@
 """The what-if on real canary runs: a run with one slow rank and the same run without the fault, side by side. The
 slow run's what-if slowdown S (its steps replayed with every rank's work made its peers' median) matches the ratio of
-the two runs' measured times within 10 %; the clean run's S stays below 1.03; the replay reproduces what was
-measured."""
+the two runs' measured times within 10 %; the clean run's S stays near 1 (its ranks' jitter only); the replay
+reproduces what was measured."""
 
 from __future__ import annotations
 
@@ -31,5 +31,8 @@ def test_the_what_if_of_a_slow_rank_matches_the_run_without_it(tmp_path: Path) -
     assert slow.slowdown == pytest.approx(measured, rel=0.10), (slow.describe(), clean.describe())
     assert slow.by_rank[0].subject == "rank:2" and slow.by_rank[0].saved_share > 0.15
     assert slow.last_rank is not None and slow.last_rank[0] == 2
-    assert clean.slowdown < 1.03, clean.describe()
+    # a clean run loses only its ranks' jitter: each step waits for the slowest of 4 ranks, the ideal takes their
+    # median. On 2 shared cores that reads 1.01-1.04 (docs/benchmarks.md); a GPU job's ~1 % jitter reads below 1.03
+    assert clean.slowdown < 1.06, clean.describe()
+    assert slow.slowdown - 1 > 5 * (clean.slowdown - 1)
     assert all(0.95 <= w.fidelity <= 1.05 for w in (clean, slow)), (clean.fidelity, slow.fidelity)
