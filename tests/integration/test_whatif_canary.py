@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.analytics.whatif import whatif
+from rankwatch.analytics.whatif import WhatIfInputError, whatif
 from rankwatch.canary.faults import Faults
 
 from support import canary, run
@@ -36,3 +36,7 @@ def test_the_what_if_of_a_slow_rank_matches_the_run_without_it(tmp_path: Path) -
     assert clean.slowdown < 1.06, clean.describe()
     assert slow.slowdown - 1 > 5 * (clean.slowdown - 1)
     assert all(0.95 <= w.fidelity <= 1.05 for w in (clean, slow)), (clean.fidelity, slow.fidelity)
+    with pytest.raises(WhatIfInputError, match=r"steps 5\.\.90 of attempt 0 were not all completed by ranks \[0, 1, 2, 3\]"):
+        whatif(clean_dir, steps=(5, 90))
+    with pytest.raises(WhatIfInputError, match="attempt 3 completed no step"):
+        whatif(clean_dir, attempt=3)

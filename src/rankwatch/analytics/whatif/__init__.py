@@ -56,11 +56,12 @@ def whatif(run_dir: Path | str, *, steps: tuple[int, int] | None = None, attempt
     if rows.height == 0:
         raise WhatIfInputError(f"{run_dir}: attempt {attempt} completed no step")
     ranks = sorted(rows["rank"].unique().to_list())
-    common = set.intersection(*(set(rows.filter(pl.col("rank") == r)["step"].to_list()) for r in ranks))
+    done = {r: set(rows.filter(pl.col("rank") == r)["step"].to_list()) for r in ranks}
+    common = set.intersection(*done.values())
     if steps is not None:
         first, last = steps
         window = set(range(first, last + 1))
-        short = [r for r in ranks if not window <= set(rows.filter(pl.col("rank") == r)["step"].to_list())]
+        short = [r for r in ranks if not window <= done[r]]
         if short:
             raise WhatIfInputError(f"{run_dir}: steps {first}..{last} of attempt {attempt} were not all completed by "
                                    f"ranks {short}")

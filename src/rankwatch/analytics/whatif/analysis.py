@@ -140,7 +140,7 @@ def analyze_graph(graph: Graph, *, stage_of: Mapping[int, int], measured_ns: flo
 
     def share(subject: str, work: np.ndarray, transfer: np.ndarray) -> Share:
         alone = makespan(work, transfer)
-        fixed = makespan(~work & all_w, ~transfer & all_t)
+        fixed = makespan(~work, ~transfer)
         saved = t_actual - fixed
         return Share(subject=subject, slowdown=alone / t_ideal if t_ideal > 0 else 1.0, saved_ns=saved,
                      saved_share=saved / t_actual if t_actual > 0 else 0.0)
@@ -166,18 +166,19 @@ def analyze_graph(graph: Graph, *, stage_of: Mapping[int, int], measured_ns: flo
     by_kind = by(graph.work, lambda w: f"kind:{w.kind}", True)
     by_op = by(graph.instances, lambda i: f"op:{i.op}", False)
     by_group = by(graph.instances, lambda i: f"group:{i.group}", False)
-    partition = _stage_partition(graph, owner, stage_of, t_actual) if len(stages) > 1 else None
+    partition = (_stage_partition(graph, owner, stage_of, ideal_w, ideal_t, t_ideal, t_actual)
+                 if len(stages) > 1 else None)
     return WhatIf(attempt=attempt, first_step=first_step, last_step=last_step, ranks=len(graph.programs),
                   measured_ns=measured_ns, actual_ns=t_actual, ideal_ns=t_ideal, by_rank=by_rank, by_stage=by_stage,
                   by_kind=by_kind, by_op=by_op, by_group=by_group, stage_partition=partition,
                   last_rank=_last_rank(graph, owner, stage_of), warnings=tuple(warnings))
 
 
-def _stage_partition(graph: Graph, owner: np.ndarray, stage_of: Mapping[int, int], t_actual: float) -> Share:
+def _stage_partition(graph: Graph, owner: np.ndarray, stage_of: Mapping[int, int], ideal_w: np.ndarray,
+                     ideal_t: np.ndarray, as_is: float, t_actual: float) -> Share:
     """The ideal run (no worker slower than its peers) against the same with each stage's compute scaled to the mean
     stage's (per rank of the stage): what partitioning alone costs, apart from any straggler (a slow rank makes its
     stage's measured compute look heavy; its stage's ideal does not)."""
-    ideal_w, ideal_t = graph.ideal_work(), graph.ideal_transfer()
     compute = np.array([w.kind == "compute" for w in graph.work])
     stage = np.array([stage_of[int(r)] for r in owner])
     per_stage = {s: ideal_w[compute & (stage == s)].sum() / max(1, sum(1 for st in stage_of.values() if st == s))
@@ -188,7 +189,6 @@ def _stage_partition(graph: Graph, owner: np.ndarray, stage_of: Mapping[int, int
         if total > 0:
             mask = compute & (stage == s)
             scaled[mask] *= mean / total
-    as_is = replay(graph, ideal_w, ideal_t).makespan_ns
     balanced = replay(graph, scaled, ideal_t).makespan_ns
     saved = as_is - balanced
     return Share(subject="stage_partition", slowdown=as_is / balanced if balanced > 0 else 1.0, saved_ns=saved,

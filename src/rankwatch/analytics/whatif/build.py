@@ -29,6 +29,7 @@ operation (not built yet: `WhatIfInputError` says so).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +75,10 @@ class _Point:
     item: Item | None
     """None: a step's start (splits the time between steps from the step's own)."""
     step: int
+
+
+_MakeInstance = Callable[[tuple[object, ...], str, str, tuple[int, ...], int, int, bool], int]
+"""(key, op, group, group_ranks, step, bytes, point-to-point) -> the instance's id."""
 
 
 def _overlap(a: int, b: int, spans: list[tuple[int, int]]) -> int:
@@ -187,10 +192,10 @@ def _transfer(seen: list[tuple[int, int, int, int, int]], before: list[tuple[int
     return float(max(0, least, float(np.median([xw - start for _, _, _, _, xw in seen]))))
 
 
-def _program(r: RankSteps, instance: object, members: defaultdict[int, list[tuple[int, int, int, int, int]]]
+def _program(r: RankSteps, make: _MakeInstance, members: defaultdict[int, list[tuple[int, int, int, int, int]]]
              ) -> list[_Point]:
-    """One rank's points (unsorted): step starts and ends, launches and joins (module docstring)."""
-    make = instance  # (key, op, group, group_ranks, step, nbytes, p2p) -> instance id
+    """One rank's points (unsorted): step starts and ends, launches and joins (module docstring). `make` gives the
+    instance of a key, created at its first member."""
     points: list[_Point] = []
     order = 0
     steps = r.steps.rows(named=True)
@@ -248,20 +253,16 @@ def _program(r: RankSteps, instance: object, members: defaultdict[int, list[tupl
             close_run(end)  # the run's step ended before this operation
         step = step_at(enter)
         nbytes = int(o["bytes"] or 0)
-        i = make(base + (k,), op, group, group_ranks, step, nbytes, p2p)  # type: ignore[operator]
+        i = make(base + (k,), op, group, group_ranks, step, nbytes, p2p)
         members[i].append((r.rank, enter, exit_, *walls))
-        launches = [i]
         if o["async_op"]:
-            for x in launches:
-                points.append(_Point(enter, enter, order, Launch(x), step))
-                order += 1
+            points.append(_Point(enter, enter, order, Launch(i), step))
+            order += 1
             run.append((i, enter, exit_))
             continue
         close_run(enter)
-        for x in launches:
-            points.append(_Point(enter, enter, order, Launch(x), step))
-            order += 1
-        points.append(_Point(enter, exit_, order, Join((i,)), step))
-        order += 1
+        points.append(_Point(enter, enter, order, Launch(i), step))
+        points.append(_Point(enter, exit_, order + 1, Join((i,)), step))
+        order += 2
     close_run(None)
     return points
