@@ -367,17 +367,37 @@ def _analyze(args: argparse.Namespace) -> int:
                         progress=not args.quiet, clock=args.clock)
 
 
-def _whatif(args: argparse.Namespace) -> int:
+def _print_result(command: str, doc: dict[str, Any] | None, lines: list[str]) -> int:
+    """Print a result as JSON (`doc`, where --json asked for it) or as its lines, the first naming the command."""
     import json
 
+    if doc is not None:
+        print(json.dumps(doc, indent=2))
+    else:
+        print("\n".join(f"rankwatch {command}: {line}" if i == 0 else line for i, line in enumerate(lines)))
+    return 0
+
+
+def _whatif(args: argparse.Namespace) -> int:
     from rankwatch.analytics.whatif import parse_steps, whatif
 
     result = whatif(args.run_dir, steps=parse_steps(args.steps) if args.steps else None, attempt=args.attempt)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print("\n".join(f"rankwatch whatif: {line}" if i == 0 else line for i, line in enumerate(result.describe())))
-    return 0
+    return _print_result("whatif", result.to_dict() if args.json else None, result.describe())
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    from rankwatch.analytics.goodput import goodput
+
+    result = goodput(args.run_dir)
+    return _print_result("goodput", result.to_dict() if args.json else None, result.describe())
+
+
+def _advise(args: argparse.Namespace) -> int:
+    from rankwatch.analytics.costs import DEFAULT_RANKS, advise, measured_costs
+
+    result = advise(measured_costs(args.run_dirs), device_mtbf_hours=args.mtbf_hours,
+                    ranks=args.ranks or DEFAULT_RANKS)
+    return _print_result("advise", result.to_dict() if args.json else None, result.describe())
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -766,7 +786,7 @@ _SAYS_IT_STARTED = {"recover": "reading the run, analysing it and deciding", "li
 own: a line on stderr at once when stderr is a terminal (a person waiting), so it never sits silent; a pipe or a log
 keeps its one line per outcome."""
 _READS_RUNS = frozenset({"telemetry", "analyze", "checkpoints", "evidence", "recover", "lineage", "rollup",
-                         "dashboard", "postmortem", "localize", "whatif"})
+                         "dashboard", "postmortem", "localize", "whatif", "goodput", "advise"})
 """Commands whose runs must exist and be runs."""
 
 ALIASES = {"analyse": "analyze"}
@@ -857,6 +877,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "rank of the attempt completed, less the first")
     wi.add_argument("--attempt", type=int, default=None, help="the attempt (default: the latest)")
     wi.add_argument("--json", action="store_true", help="print the figures as JSON")
+    gp = sub.add_parser("goodput", help="where a run's wall time went: effective training, lost work, detection, "
+                        "decision, relaunch, restore, checkpoint pauses, straggler slowdown")
+    gp.add_argument("run_dir", type=Path, help=RUN_DIR_HELP)
+    gp.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ad = sub.add_parser("advise", help="checkpoint-interval advice from the runs' measured save and restore costs "
+                        "and failure rate, at 2,048 and 16,384 ranks")
+    ad.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="runs of the job to measure")
+    ad.add_argument("--mtbf-hours", type=float, default=None, metavar="H",
+                    help="a per-device MTBF, scaled to each rank count (default: the runs' interruptions per "
+                         "rank-hour)")
+    ad.add_argument("--ranks", type=int, nargs="+", default=None, metavar="N",
+                    help="rank counts to advise for (default: 2048 16384; the runs' own is always shown)")
+    ad.add_argument("--json", action="store_true", help="print the advice as JSON")
     sim = sub.add_parser("simulate", help="write synthetic telemetry at scale with ground-truth labels")
     sim.add_argument("--ranks", type=int, required=True, help="ranks of the simulated job")
     sim.add_argument("--hosts", type=int, required=True, help="hosts the ranks are spread over")
@@ -974,7 +1007,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "localize": _localize, "watch": _watch, "checkpoints": _checkpoints,
                 "evidence": _evidence, "recover": _recover, "rollup": _rollup, "lineage": _lineage,
                 "manager": _manager, "webhook-secret": _webhook_secret, "drill": _drill,
-                "dashboard": _dashboard, "postmortem": _postmortem, "whatif": _whatif}
+                "dashboard": _dashboard, "postmortem": _postmortem, "whatif": _whatif, "goodput": _goodput,
+                "advise": _advise}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # bad input: one line, no traceback

@@ -259,7 +259,7 @@ def test_hardware_round_trips_through_dict_json_and_parquet(tmp_path: Path) -> N
     assert plain.to_dict()["device_fault"] is False and not plain.device_fault
     pq_path, js_path = write_incidents([inc, plain], tmp_path)
     assert read_incidents(pq_path) == (inc, plain) == read_incidents(js_path)
-    assert json.loads(js_path.read_text())["version"] == 2
+    assert json.loads(js_path.read_text())["version"] == 3
 
 
 def test_a_version_1_record_reads_as_no_hardware_evidence(tmp_path: Path) -> None:

@@ -276,8 +276,8 @@ EXPORTS = {
     },
     "rankwatch.analytics.straggler": {"StragglerConfig", "detect_stragglers"},
     "rankwatch.analytics.whatif": {
-        "Graph", "RankSteps", "Share", "WhatIf", "WhatIfInputError", "analyze_graph", "build_graph", "parse_steps",
-        "replay", "whatif",
+        "Costing", "Graph", "RankSteps", "Replayed", "Share", "WhatIf", "WhatIfInputError", "analyze_graph",
+        "build_graph", "parse_steps", "replay", "whatif", "whatif_of",
     },
     "rankwatch.canary.drills": {
         "DRILLS", "REPORT_FILE", "VICTIM", "DrillReport", "DrillSpec", "Tamper", "drill_config", "read_report",

@@ -342,3 +342,107 @@ def test_apply_relaunches_off_the_quarantine_list_or_refuses_and_says_so(tmp_pat
     changed = [e for e in entries if e.kind is LineageKind.WORLD_SIZE_CHANGE]
     assert [(e.details.old_world_size, e.details.new_world_size) for e in changed] == [(2, 1)]
     assert entries[-2].kind is LineageKind.RESTART and str(entries[-2].verdict.comparability) == "changed"
+
+
+# ----------------------------------------------------------------------------------- detection, decision, advice
+
+
+def _slow_run(tmp_path: Path, *, steps: int | None) -> tuple[Path, int]:
+    """A simulated 4-rank run of 40 steps, rank 3 half again as slow from step 10, a checkpoint every 10 steps;
+    run.json's launch at 2 s before the first step, declaring `steps`. Returns the run and its launch time."""
+    from rankwatch.analytics.store import connect
+    from rankwatch.base.rundir import append_launch
+    from rankwatch.simulator.config import SimConfig
+    from rankwatch.simulator.faults import parse_sim_fault
+    from rankwatch.simulator.simulate import simulate
+
+    run = tmp_path / "slow"
+    simulate(SimConfig(name="slow", layout=Layout(dp=4), hosts=2, steps=40, seed=1, checkpoint_every=10,
+                       faults=(parse_sim_fault("gpu_slow:rank=3,from=10,factor=1.5"),)), run)
+    con = connect(run)
+    try:
+        started = int(con.execute("SELECT min(start_wall_ns) FROM steps").fetchall()[0][0]) - 2_000_000_000
+    finally:
+        con.close()
+    append_launch(run, {"started_wall_ns": started, "world_size": 4, **({} if steps is None else {"steps": steps})})
+    return run, started
+
+
+def test_assess_advises_on_a_slow_rank_from_the_runs_own_costs_and_leaves_the_decision_alone(tmp_path: Path) -> None:
+    """400 steps declared, 40 trained: 360 left at the median step. The run has not restarted, so the restart is its
+    first start-up (2 s from the launch to the first step), its blocking save, no load and no gate; rank 3 costs far
+    more than that over what is left: replace it at the next checkpoint. The policy still observes it."""
+    from rankwatch.analytics.costs import measured_costs, training_left
+    from rankwatch.control.manager import assess
+
+    run, _ = _slow_run(tmp_path, steps=400)
+    layout = Layout(dp=4)
+    plan = assess(run, layout=layout, job=canary_declaration(layout))
+    assert plan.action is Action.OBSERVE and not plan.relaunch
+    [slow] = [d for d in plan.decided if d.incident.klass is IncidentClass.STRAGGLER]
+    assert slow.decision.action is Action.OBSERVE and slow.incident.ranks == (3,)
+    [advice] = plan.advice
+    left, costs = training_left(run), measured_costs([run])
+    assert left.steps == 360 and advice.remaining_s == pytest.approx(left.seconds)
+    assert advice.restart.relaunch_s == pytest.approx(2.0, abs=1e-6) and advice.restart.restore_s == 0.0
+    assert advice.restart.save_s == pytest.approx(costs.sync_save.seconds) and advice.restart.gate_s == 0.0
+    assert "no restart measured yet" in advice.restart.source
+    assert advice.incident == slow.incident.id and advice.replace
+    assert advice.projected_loss_s == pytest.approx(advice.share * advice.remaining_s)
+    lines = plan.lines()
+    assert f"advice: {advice.describe()}" in lines and any(ln.startswith("advice: training left: 360 step") for ln in lines)
+    assert lines[-1] == "=> observe: nothing to recover"
+    assert plan.decided_wall_ns is not None and plan.detected_wall_ns is not None
+    assert plan.detected_wall_ns <= plan.decided_wall_ns and plan.detected_by.startswith("the analysis of attempt 0")
+
+
+def test_no_advice_without_a_declared_step_count_and_a_line_says_why(tmp_path: Path) -> None:
+    from rankwatch.control.manager import assess
+
+    run, _ = _slow_run(tmp_path, steps=None)
+    layout = Layout(dp=4)
+    plan = assess(run, layout=layout, job=canary_declaration(layout))
+    assert plan.advice == () and plan.action is Action.OBSERVE
+    [note] = plan.advice_notes
+    assert "declares no step count" in note and f"advice: {note}" in plan.lines()
+
+
+def test_the_record_keeps_when_the_manager_detected_and_decided_and_its_advice(tmp_path: Path) -> None:
+    """The launcher's earliest abnormal exit of the latest attempt is the detection (a clean exit, and an attempt's
+    before, are not); the record written for the plan keeps it, the decision and the advice, typed when read back; a
+    record from before these keys reads with None; a damaged one is a one-line error naming the file."""
+    from rankwatch.base.rundir import RunFileError, read_recovery_records, write_recovery_record
+    from rankwatch.collector.liveness import write_exit_record
+    from rankwatch.control.manager import assess
+
+    run, started = _slow_run(tmp_path, steps=400)
+    for rank, attempt, code, at in ((0, 0, 0, started + 5), (1, 0, -9, started + 40), (2, 0, 1, started + 30),
+                                    (3, 0, -15, started + 50)):
+        write_exit_record(run, rank=rank, world_size=4, attempt=attempt, pid=None, host="h0", returncode=code,
+                          wall_ns=at)
+    layout = Layout(dp=4)
+    plan = assess(run, layout=layout, job=canary_declaration(layout))
+    assert plan.detected_wall_ns == started + 30
+    assert plan.detected_by == "the launcher saw rank 2 of attempt 0 end (exit code 1)"
+    seen = plan.seen(started + 20, "an alert")
+    assert (seen.detected_wall_ns, seen.detected_by) == (started + 20, "an alert")
+    assert plan.seen(started + 31, "later") is plan and plan.seen(None, "none") is plan
+    cfg = CanaryConfig(run_dir=run, steps=400, layout=layout, gpu="off")
+    rec = apply(cfg, plan, launcher=FakeLauncher())
+    assert rec.outcome == "observed"
+    [doc] = read_recovery_records(run)
+    assert (doc.detected_wall_ns, doc.detected_by, doc.decided_wall_ns) == (
+        started + 30, plan.detected_by, plan.decided_wall_ns)
+    assert doc.wall_ns is not None and doc.decided_wall_ns is not None and doc.decided_wall_ns <= doc.wall_ns
+    [advice] = doc.doc["advice"]
+    assert advice["replace"] is True and advice["restart"]["total_s"] == pytest.approx(plan.advice[0].restart.total_s)
+    assert doc.doc["advice_notes"][0].startswith("training left: 360 step")
+    old = {k: v for k, v in json.loads(doc.path.read_text()).items()
+           if k not in ("detected_wall_ns", "detected_by", "decided_wall_ns")}
+    write_recovery_record(run, "recovery-0001", old)
+    [again] = read_recovery_records(run)
+    assert (again.detected_wall_ns, again.detected_by, again.decided_wall_ns) == (None, None, None)
+    write_recovery_record(run, "recovery-0001", {**old, "decided_wall_ns": "soon"})
+    with pytest.raises(RunFileError) as err:
+        read_recovery_records(run)
+    assert str(err.value) == f"{doc.path}: decided_wall_ns is 'soon', not a wall-clock time in ns (an integer >= 0)"

@@ -190,6 +190,9 @@ def test_a_fail_stop_decision_stops_the_job_at_once_recovers_it_and_status_shows
     assert not fake.calls[1].resume and not fake.calls[1].faults.specs()
     rec = json.loads((run_dir / RECOVERY_DIR / "recovery-0001.json").read_text())
     assert rec["incidents"] == [inc.id] and rec["action"] == "restart_job" and rec["outcome"] == "recovered"
+    # the detection is the decision's arrival, the decision its plan; both before the relaunch and the record
+    assert rec["detected_by"] == f"the decision message {msg_id(body)} reached the manager service"
+    assert rec["detected_wall_ns"] <= rec["decided_wall_ns"] <= s["attempts"][1]["started_wall_ns"] < rec["wall_ns"]
     assert [str(e.kind) for e in read(lineage_path(run_dir))][:1] == ["restart"]
     resolved = contract_body(run_dir, inc, type_="incident.resolved", action=None)
     assert post(svc, "/alerts", resolved, signed(resolved))[0] == 200

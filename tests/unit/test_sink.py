@@ -15,29 +15,16 @@ import pytest
 
 from rankwatch.base.rundir import TELEMETRY_DIR
 from rankwatch.base.schema import (
-    COLUMNS, LOW_PRIORITY, PARTITION_KEY, SCHEMA_VERSION, SCHEMA_VERSION_KEY, EventKind, Events, Gpu, Table,
+    LOW_PRIORITY, PARTITION_KEY, SCHEMA_VERSION, SCHEMA_VERSION_KEY, EventKind, Events, Gpu, Table,
     column_names, storage_schema,
 )
 from rankwatch.collector import sink as sink_mod
 from rankwatch.collector.sink import MemorySink, ParquetSink, Row, SinkConfig, partition_dir, rows_to_table
+from schema_support import schema_row as _row
 
 FAST = SinkConfig(flush_interval_s=0.02)
 #: Only explicit flushes (or a full part) wake the writer.
 MANUAL = SinkConfig(flush_interval_s=60.0)
-
-
-def _row(table: Table, **values: Any) -> Row:
-    """A row in schema order: given values, None for other nullable columns, and a loud error otherwise."""
-    out = []
-    for c in COLUMNS[table]:
-        if c.name in values:
-            out.append(values.pop(c.name))
-        elif c.nullable:
-            out.append(None)
-        else:
-            raise AssertionError(f"test row for {table} lacks non-nullable column {c.name}")
-    assert not values, f"unknown columns {sorted(values)} for {table}"
-    return tuple(out)
 
 
 def _event(i: int, *, rank: int = 0, kind: EventKind = EventKind.HEARTBEAT) -> Row:

@@ -157,3 +157,37 @@ def test_steps_argument() -> None:
     for bad in ("9:3", "x", "1:2:3", "-1:4"):
         with pytest.raises(ValueError, match="--steps"):
             parse_steps(bad)
+
+
+def test_a_transfer_held_in_most_steps_is_measured_against_the_ones_not_held() -> None:
+    """Seven all-reduces of one size: four held by a stopped member (40 ns), three not (2, 2.5, 3). The median would
+    be a held one; the ideal is the median of the ones not held. Transfers with no gap wider than the spread below
+    it keep their median (noise), and so do ones all slow (a slow link); fewer than 3 below the gap is no mode."""
+    from rankwatch.analytics.whatif.graph import _medians
+
+    seven = np.array([2.0, 40.0, 3.0, 41.0, 40.0, 42.0, 2.5])
+    assert _medians([("all_reduce", "dp", 8)] * 7, seven, held=True).tolist() == [2.5] * 7
+    assert _medians([("all_reduce", "dp", 8)] * 7, seven).tolist() == [40.0] * 7  # work: the plain median
+    keys = [("all_reduce", "dp", 8)] * 6
+    assert _medians(keys, np.array([2.0, 40.0, 3.0, 41.0, 40.0, 42.0]), held=True).tolist() == [40.0] * 6
+    assert _medians(keys, np.array([2.0, 5.0, 3.0, 7.0, 4.0, 9.0]), held=True).tolist() == [4.0] * 6
+    assert _medians(keys, np.array([40.0, 41.0, 40.5, 42.0, 40.0, 41.5]), held=True).tolist() == [40.5] * 6
+    assert _medians(keys, np.array([2.0, 3.0, 4.0, 40.0, 41.0, 42.0]), held=True).tolist() == [3.0] * 6
+
+
+def test_a_saves_own_group_is_left_out_of_the_training_program() -> None:
+    """DCP's async save runs collectives on a group of its own from a thread beside training: most of them inside
+    the rank's checkpoint phases. That group is left out (with a warning naming it); a group with a collective inside
+    a (synchronous) save now and then stays."""
+    import polars as pl
+
+    from rankwatch.analytics.whatif import _without_save_groups
+
+    colls = pl.DataFrame({"rank": [0, 0, 0, 0, 1, 1], "group": ["pg1", "pg1", "world", "world", "pg1", "world"],
+                          "enter_mono_ns": [10, 20, 30, 55, 12, 40], "exit_mono_ns": [15, 25, 35, 58, 14, 45]})
+    warnings: list[str] = []
+    kept = _without_save_groups(colls, {0: [(5, 50)], 1: [(10, 20)]}, warnings)
+    assert kept["group"].to_list() == ["world", "world", "world"]
+    assert warnings == ["group pg1's 3 collectives left out: 100% of them ran inside checkpoint saves (the save's own "
+                        "group, beside training)"]
+    assert _without_save_groups(colls, {}, []).height == 6

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -26,9 +27,9 @@ import pyarrow.parquet as pq
 
 from rankwatch.base.rundir import INCIDENTS_JSON, INCIDENTS_PARQUET, atomic_write
 
-INCIDENTS_VERSION = 2
+INCIDENTS_VERSION = 3
 """2: `hardware` (and `device_fault`, derived from it) added; version-1 files read as incidents without hardware
-evidence."""
+evidence. 3: `impact` added; earlier files read as incidents without one."""
 EVIDENCE_ROWS_MAX = 20
 """Evidence keeps at most this many rows per item: enough to show the pattern, small enough to read."""
 
@@ -166,6 +167,69 @@ class Evidence:
                 raise ValueError(f"evidence {self.source!r}: row {row!r} has {len(row)} values for {len(self.columns)} columns")
 
 
+class ImpactBasis(StrEnum):
+    WHATIF = "whatif"
+    """Replayed: the job's steps replayed through their dependencies with the subject's work made ideal
+    (`analytics.whatif`); what that saves is what the subject cost."""
+    UNMEASURED = "unmeasured"
+    """No time figure: the incident costs what its recovery costs (a rollback, a restart: `rankwatch goodput`), or
+    the window could not be replayed; `Impact.note` says which."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Impact:
+    """What an incident cost the job over the steps it was measured on. `lost_s`: wall seconds the job's steps took
+    longer because of it; `gpu_hours`: that time on every rank of the job (everyone waits for a straggler);
+    `share`: `lost_s` over the replayed time of the incident's span (its onset to the window's end), the share of
+    step time lost; `slowdown`: the job's slowdown with only the subject slow (S_X = T(X as measured, the rest
+    ideal) / T_ideal). None where the basis gives no figure."""
+
+    basis: ImpactBasis
+    lost_s: float | None = None
+    gpu_hours: float | None = None
+    share: float | None = None
+    slowdown: float | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    """The steps the figures were measured over."""
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "basis", ImpactBasis(self.basis))
+        for name in ("lost_s", "gpu_hours", "share", "slowdown"):
+            v = getattr(self, name)
+            if v is not None and not math.isfinite(v):
+                raise ValueError(f"impact {name} {v!r}: not a finite number")
+
+    def describe(self) -> str:
+        if self.lost_s is None:
+            return f"impact not measured ({self.note})" if self.note else "impact not measured"
+        return (f"cost {self.share or 0.0:.1%} of step time over steps {self.first_step}..{self.last_step}: "
+                f"{self.lost_s:.2f} s lost, {self.gpu_hours or 0.0:.4f} GPU-hours")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"basis": str(self.basis), "lost_s": self.lost_s, "gpu_hours": self.gpu_hours, "share": self.share,
+                "slowdown": self.slowdown, "first_step": self.first_step, "last_step": self.last_step,
+                "note": self.note}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Impact:
+        if not isinstance(d, Mapping):
+            raise TypeError(f"impact is {type(d).__name__}, not an object")
+        return cls(basis=ImpactBasis(_typed(d, "basis", str)),
+                   lost_s=_num(_typed(d, "lost_s", (int, float), none=True, default=None)),
+                   gpu_hours=_num(_typed(d, "gpu_hours", (int, float), none=True, default=None)),
+                   share=_num(_typed(d, "share", (int, float), none=True, default=None)),
+                   slowdown=_num(_typed(d, "slowdown", (int, float), none=True, default=None)),
+                   first_step=_typed(d, "first_step", int, none=True, default=None),
+                   last_step=_typed(d, "last_step", int, none=True, default=None),
+                   note=_typed(d, "note", str, default=""))
+
+
+def _num(v: float | int | None) -> float | None:
+    return None if v is None else float(v)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FaultKey:
     """One fault's identity across analyses, windows and monitor restarts: its class, its subject and the attempt it
@@ -202,6 +266,8 @@ class Incident:
     attempt: int | None = None
     hardware: tuple[HardwareSignal, ...] = ()
     last_good_step: int | None = None
+    impact: Impact | None = None
+    """What it cost the job (`analytics.impact` sets it on every incident of an analysis)."""
     id: str = field(default="")
 
     def __post_init__(self) -> None:
@@ -250,6 +316,7 @@ class Incident:
             "attempt": self.attempt,
             "device_fault": self.device_fault,
             "hardware": [str(h) for h in self.hardware],
+            "impact": self.impact.to_dict() if self.impact is not None else None,
             "evidence": [
                 {"source": e.source, "summary": e.summary, "columns": list(e.columns), "rows": [list(r) for r in e.rows]}
                 for e in self.evidence
@@ -284,6 +351,7 @@ class Incident:
                 hardware=tuple(HardwareSignal(h) for h in _each(_typed(d, "hardware", list, none=True, default=None)
                                                                or [], str, "hardware")),
                 evidence=tuple(_evidence(e, n) for n, e in enumerate(evidence)),
+                impact=(None if d.get("impact") is None else Impact.from_dict(d["impact"])),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"{where}: {type(exc).__name__}: {exc}") from None
@@ -349,7 +417,10 @@ _TABLE_SCHEMA = pa.schema([
     ("detection_wall_ns", pa.int64()), ("confidence", pa.float64()), ("cause", pa.string()),
     ("summary", pa.string()), ("fields", pa.list_(pa.string())), ("attempt", pa.int32()), ("evidence", pa.string()),
     ("device_fault", pa.bool_()), ("hardware", pa.list_(pa.string())), ("last_good_step", pa.int64()),
+    ("impact", pa.string()), ("impact_lost_s", pa.float64()), ("impact_gpu_hours", pa.float64()),
+    ("impact_share", pa.float64()),
 ])
+"""The impact is a JSON string (all of it) and, for queries, its three figures as columns."""
 
 
 def incidents_table(incidents: Sequence[Incident]) -> pa.Table:
@@ -357,6 +428,10 @@ def incidents_table(incidents: Sequence[Incident]) -> pa.Table:
     for inc in incidents:
         d = inc.to_dict()
         d["evidence"] = json.dumps(d["evidence"])
+        impact = d["impact"] or {}
+        d["impact"] = json.dumps(d["impact"]) if d["impact"] is not None else None
+        d["impact_lost_s"], d["impact_gpu_hours"], d["impact_share"] = (impact.get(k) for k in ("lost_s", "gpu_hours",
+                                                                                                 "share"))
         rows.append(d)
     return pa.Table.from_pylist(rows, schema=_TABLE_SCHEMA)
 
@@ -386,6 +461,8 @@ def read_incidents(path: Path) -> tuple[Incident, ...]:
             records = pq.read_table(path).to_pylist()
             for r in records:
                 r["evidence"] = json.loads(r["evidence"])
+                if r.get("impact") is not None:
+                    r["impact"] = json.loads(r["impact"])
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"{path}: not a readable incidents file ({type(exc).__name__}: {exc})") from None
     return tuple(Incident.from_dict(r) for r in records)

@@ -23,6 +23,7 @@ from pathlib import Path
 import duckdb
 
 from rankwatch.analytics.analyze import Analysis, Progress, detect_all
+from rankwatch.analytics.impact import costed
 from rankwatch.analytics.errors import RunDirError, SchemaVersionError
 from rankwatch.analytics.queries import load_frames
 from rankwatch.analytics.store import (
@@ -251,8 +252,9 @@ class LiveAnalyzer:
         except duckdb.Error as exc:
             raise read_error(exc, telemetry_dir(self.run_dir)) from None
         timings.append(("load", time.perf_counter() - t0))
-        incidents = detect_all(frames, anomaly=self.config.anomaly, progress=progress or (lambda _: None),
-                               timings=timings, live=True)
+        incidents = costed(frames, detect_all(frames, anomaly=self.config.anomaly,
+                                              progress=progress or (lambda _: None), timings=timings, live=True),
+                           None, why_not="a live window is not replayed (`rankwatch analyze` or `whatif` costs it)")
         return Analysis(
             run_dir=self.run_dir, incidents=incidents, ranks=frames.world_size, first_step=frames.first_step,
             last_step=frames.last_step,

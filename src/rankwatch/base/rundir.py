@@ -392,7 +392,15 @@ class RecoveryRecordDoc:
     proposed: bool
     """True for the dry-run plan: decided, never carried out."""
     doc: Mapping[str, Any]
-    """The whole record as written (escalations, evidence, retired checkpoints, the relaunch)."""
+    """The whole record as written (escalations, evidence, retired checkpoints, the relaunch, the advice)."""
+    detected_wall_ns: int | None = None
+    """When the manager's side first knew the attempt needed it (`detected_by` says how); None in a record written
+    before the manager recorded it. `wall_ns` is when the record was written: after the relaunch it started."""
+    detected_by: str | None = None
+    """What that first knowledge was: the launcher's exit record of a rank that ended abnormally, the alert that
+    reached the service, or the analysis that raised the incidents."""
+    decided_wall_ns: int | None = None
+    """When the manager had decided (its plan made, before anything it does is begun); None in an older record."""
 
 
 def _strs(value: Any, what: str) -> tuple[str, ...]:
@@ -421,6 +429,9 @@ def _record(path: Path) -> RecoveryRecordDoc:
         if not isinstance(doc, dict):
             raise TypeError(f"the record is {type(doc).__name__}, not an object")
         wall = doc.get("wall_ns")
+        by = doc.get("detected_by")
+        if by is not None and not isinstance(by, str):
+            raise RunFileError(f"{path}: detected_by is {type(by).__name__}, not a string")
         return RecoveryRecordDoc(
             path=path, id=str(doc.get("id") or path.stem),
             wall_ns=wall if isinstance(wall, int) and not isinstance(wall, bool) else None,
@@ -428,9 +439,21 @@ def _record(path: Path) -> RecoveryRecordDoc:
             action=None if doc.get("action") is None else str(doc["action"]),
             checkpoint=None if doc.get("checkpoint") is None else str(doc["checkpoint"]),
             decisions=tuple(_decision(d) for d in doc["decisions"]),
-            outcome=str(doc.get("outcome") or ("proposed" if proposed else "")), proposed=proposed, doc=doc)
+            outcome=str(doc.get("outcome") or ("proposed" if proposed else "")), proposed=proposed, doc=doc,
+            detected_wall_ns=_wall_ns(doc, "detected_wall_ns", path), detected_by=by,
+            decided_wall_ns=_wall_ns(doc, "decided_wall_ns", path))
     except (KeyError, TypeError, AttributeError) as exc:
         raise RunFileError(f"{path}: not a recovery record ({type(exc).__name__}: {exc})") from None
+
+
+def _wall_ns(doc: Mapping[str, Any], key: str, path: Path) -> int | None:
+    """An optional wall-clock time in ns: absent or null is None (a record written before the key existed)."""
+    value = doc.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RunFileError(f"{path}: {key} is {value!r}, not a wall-clock time in ns (an integer >= 0)")
+    return value
 
 
 def recovery_record_paths(run_dir: Path | str) -> list[Path]:

@@ -21,6 +21,16 @@ The gate: the manager acts after an attempt ended, so no process is left to answ
 the relaunched job, which loads the checkpoint, all-gathers every rank's fingerprints and refuses to train unless
 every domain agrees (`recovery.resume`); a refusal ends the relaunch with a non-zero exit and the record says so.
 
+Every plan `assess` makes carries when the manager's side first knew the attempt needed it (the launcher's earliest
+exit record of a rank that ended abnormally, else the analysis' end; the service lowers it to an alert's arrival) and
+when the plan was made; the record keeps both, so `analytics.goodput` measures detection and decision. For each
+straggler the policy observes or quarantines, the plan also carries cost-aware advice (`recovery.advice`): keep it,
+or replace it at the next checkpoint, from the run's own measured restart cost and the training time it has left.
+The advice never changes the action: a slow rank is not a failed rank.
+
+Where a relaunch runs (off the quarantine list, on fewer ranks where the job declared it, its ranks reshuffled) is
+`control.placement`; its functions are re-exported here.
+
 Nothing is retried blind: an attempt that failed with no incident that explains it is reported and left alone.
 Before a relaunch, committed checkpoints newer than the rollback target are retired (renamed out of the catalog,
 kept as evidence: they may hold the faulty state) and partial ones are moved aside (a re-save of the same step
@@ -29,13 +39,14 @@ would otherwise replace them); their manifests are copied into every incident's 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import duckdb
 import polars as pl
@@ -43,22 +54,24 @@ import pyarrow.parquet as pq
 
 from rankwatch.analytics.analyze import AnalysisConfig, analyze, observe_run, write_analysis
 from rankwatch.analytics.incidents import Incident, IncidentClass, sort_incidents
+from rankwatch.analytics.liveness import parse_exit_record
 from rankwatch.analytics.localize import FollowsKind, Localization, RunObservation, localize
 from rankwatch.analytics.queries import attempt_topology, groups
 from rankwatch.analytics.store import open_run, telemetry_dir
 from rankwatch.analytics.validate import read_error
 from rankwatch.base.rundir import (
-    QuarantineEntry, RunDir, handled_incidents, next_recovery_id, read_launches, read_quarantine,
-    read_recovery_records, recovery_record_paths, write_quarantine, write_recovery_record,
+    QuarantineEntry, RunDir, handled_incidents, next_recovery_id, read_launches, read_recovery_records,
+    recovery_record_paths, write_quarantine, write_recovery_record,
 )
-from rankwatch.base.schema import ChangeReason, LineageKind, Steps, Table
+from rankwatch.base.schema import EXIT_RECORD_PREFIX, EXIT_RECORD_SUFFIX, ChangeReason, LineageKind, Steps, Table
 from rankwatch.base.topology import Layout
 from rankwatch.collector.sink import partition_dir
+from rankwatch.control.placement import continue_on, place_off_quarantine, placed_topology, quarantined, reshuffled
 from rankwatch.control.wire import AlertMessage
+from rankwatch.recovery.advice import ReplaceAdvice, replacement_advice
 from rankwatch.recovery.catalog import Verdict, checkpoint_id, list_checkpoints
 from rankwatch.recovery.decision import (
-    Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, MembershipSupport, ScopeKind, Target,
-    TargetKind,
+    Action, CheckpointCatalogView, CheckpointRef, Decision, GateResult, ScopeKind, Target, TargetKind,
 )
 from rankwatch.recovery.evidence import preserve_evidence
 from rankwatch.recovery.job import Job, JobDeclaration, LaunchResult
@@ -71,8 +84,6 @@ __all__ = [
     "Planner", "catalog_view", "continue_on", "covering", "latest_recovery", "localize_attempts", "place_off_quarantine", "plan_from_message", "plan_live", "plan_recovery", "quarantined", "recurrence_from",
     "replay_basis", "reshuffled", "supervise", "write_plan",
 ]
-
-J = TypeVar("J", bound=Job)
 
 # How much of the running job an action touches, narrowest first.
 _BREADTH: dict[Action, int] = {
@@ -130,10 +141,30 @@ class RecoveryPlan:
     """Devices (UUIDs) a recurring fault was seen on, again and again under one rank number: the relaunch moves the
     ranks to other devices (a rank number onto each) so that the next occurrence tells device from rank
     (`analytics.localize`, `Localization.reshuffle`). They are not quarantined."""
+    advice: tuple[ReplaceAdvice, ...] = ()
+    """For each straggler the policy observes or quarantines: keep it, or replace it at the next checkpoint, with
+    the numbers (`recovery.advice`). A recommendation: the action is the policy's."""
+    advice_notes: tuple[str, ...] = ()
+    """What the advice rests on (the training time left), and why a straggler has none, one line each."""
+    detected_wall_ns: int | None = None
+    """When the manager's side first knew the attempt needed it (`assess`: the launcher's earliest exit record of a
+    rank that ended abnormally, else the analysis' end; the service: the alert's arrival, where earlier); None for a
+    plan made from incidents alone (`plan_recovery`)."""
+    detected_by: str = ""
+    """What that was, in words."""
+    decided_wall_ns: int | None = None
+    """When the plan was made (the end of `assess`), before anything in it is begun."""
 
     @property
     def relaunch(self) -> bool:
         return self.action is Action.RESTART_JOB
+
+    def seen(self, wall_ns: int | None, by: str) -> RecoveryPlan:
+        """This plan with its detection at `wall_ns` (`by` says what that was) where that is earlier than its own or
+        it has none: the service's alert may reach it before the attempt's end shows anything."""
+        if wall_ns is None or (self.detected_wall_ns is not None and self.detected_wall_ns <= wall_ns):
+            return self
+        return replace(self, detected_wall_ns=wall_ns, detected_by=by)
 
     def lines(self) -> list[str]:
         out = []
@@ -145,6 +176,8 @@ class RecoveryPlan:
         out.extend(f"escalated: {e}" for e in self.escalations)
         for target, inc in self.quarantines:
             out.append(f"quarantine {target} ({inc})")
+        out.extend(f"advice: {n}" for n in self.advice_notes)
+        out.extend(f"advice: {a.describe()}" for a in self.advice)
         if self.relaunch:
             where = self.checkpoint.id if self.checkpoint is not None else "step 0 (no clean committed checkpoint)"
             out.append(f"=> restart the job from {where}")
@@ -243,9 +276,11 @@ def assess(
     live reading, which may see a fault before the part files show it); each is decided with the new ones unless
     the analysis raised one of its class about its subject, or a recovery handled it. Touches nothing else."""
     run_dir = Path(run_dir)
-    started = int(_launches(run_dir)[-1]["started_wall_ns"])
+    launches = _launches(run_dir)
+    started = int(launches[-1]["started_wall_ns"])
     analysis = analyze(run_dir, config=AnalysisConfig())
     write_analysis(analysis)
+    analyzed = time.time_ns()
     handled = handled_incidents(read_recovery_records(run_dir))
     new: list[Incident] = []
     skipped: list[Incident] = []
@@ -264,24 +299,39 @@ def assess(
     classes = {d.incident.klass for d in plan.decided}
     suspects = tuple(sorted({o.id for loc in found if loc.reshuffle and loc.klass in classes
                              for o in loc.by_device if o.implicated >= 2}))
-    return replace(plan, skipped=tuple(i.id for i in skipped), reshuffle=suspects if plan.relaunch else ())
+    plan = replace(plan, skipped=tuple(i.id for i in skipped), reshuffle=suspects if plan.relaunch else ())
+    if not plan.decided:
+        return plan
+    advice, notes = replacement_advice(run_dir, [d.incident for d in plan.decided if d.incident.klass is
+                                                 IncidentClass.STRAGGLER and d.decision.action in _OBSERVING],
+                                       relaunching=plan.relaunch)
+    attempt = len(launches) - 1
+    exited = _first_abnormal_exit(run_dir, attempt)
+    detected, by = exited if exited is not None and exited[0] <= analyzed else (
+        analyzed, f"the analysis of attempt {attempt} raised {len(plan.decided)} new incident(s)")
+    return replace(plan, advice=advice, advice_notes=notes, detected_wall_ns=detected, detected_by=by,
+                   decided_wall_ns=time.time_ns())
 
 
-def placed_topology(run_dir: Path, topo: pl.DataFrame) -> pl.DataFrame:
-    """`topo` (`attempt_topology`) with each rank's device where its collector named none (no NVML: a CPU run, a
-    driver that did not answer) taken from the launch record of its attempt: the device the launcher placed it on
-    (`CommandJob.placement`: its UUID where known, else the device's name in the visibility list it was given), so
-    a fault that follows a device can be told from one that follows a rank on any machine. Unchanged where the run
-    records no placement."""
-    launches = read_launches(run_dir, missing_ok=True)
-    rows = [(n, int(r), str(p[2])) for n, rec in enumerate(launches) if isinstance(rec.get("placement"), dict)
-            for r, p in rec["placement"].items() if isinstance(p, list) and len(p) == 3 and p[2]]
-    if not rows or topo.height == 0:
-        return topo
-    placed = pl.DataFrame(rows, schema={"attempt": topo.schema["attempt"], "rank": topo.schema["rank"],
-                                        "_placed": pl.String}, orient="row")
-    return topo.join(placed, on=["attempt", "rank"], how="left").with_columns(
-        pl.coalesce("device_uuid", "_placed").alias("device_uuid")).drop("_placed")
+_OBSERVING = frozenset({Action.OBSERVE, Action.QUARANTINE})
+"""Decisions that leave the running job alone: a straggler decided so gets replace advice."""
+
+
+def _first_abnormal_exit(run_dir: Path, attempt: int) -> tuple[int, str] | None:
+    """The launcher's earliest exit record (<run>/live/exit-<r>.json) of `attempt` for a rank that ended abnormally
+    (an exit code other than 0, or a signal): (when the launcher saw it, in words). None when there is none; a
+    record that cannot be read is passed over (the analysis' end is the detection then)."""
+    seen: list[tuple[int, str]] = []
+    for path in RunDir(run_dir).live.glob(f"{EXIT_RECORD_PREFIX}*{EXIT_RECORD_SUFFIX}"):
+        try:
+            rec = parse_exit_record(json.loads(path.read_text()), str(path))
+        except (OSError, ValueError):
+            continue
+        if rec.attempt != attempt or (rec.signal is None and rec.exit_code in (None, 0)):
+            continue
+        how = f"signal {rec.signal}" if rec.signal is not None else f"exit code {rec.exit_code}"
+        seen.append((rec.wall_ns, f"the launcher saw rank {rec.rank} of attempt {attempt} end ({how})"))
+    return min(seen) if seen else None
 
 
 def localize_attempts(run_dir: Path, incidents: Sequence[Incident]) -> tuple[Localization, ...]:
@@ -366,11 +416,6 @@ def _failed_in_a_row(run_dir: Path) -> int:
     return n
 
 
-def quarantined(run_dir: Path) -> tuple[QuarantineEntry, ...]:
-    """The run's quarantine list (<run>/quarantine.json): every device, host or link taken out of placement."""
-    return read_quarantine(run_dir)
-
-
 def _quarantine(run_dir: Path, plan: RecoveryPlan, rid: str) -> tuple[str, ...]:
     entries = list(quarantined(run_dir))
     have = {(e.kind, e.id) for e in entries}
@@ -389,122 +434,6 @@ def _quarantine(run_dir: Path, plan: RecoveryPlan, rid: str) -> tuple[str, ...]:
         done.append(str(target))
     write_quarantine(run_dir, entries)
     return tuple(done)
-
-
-def place_off_quarantine(run_dir: Path, cfg: J, *, say: Callable[[str], None] = lambda _: None) -> J:
-    """`cfg` placed off every device and host on the run's quarantine list (the job's `placed_off`); each
-    quarantined device a rank leaves is recorded in lineage as replaced (CHANGED: hardware; another device is not
-    assumed bitwise alike), and each move said. `cfg` itself when it uses nothing quarantined (so calling this on a
-    placed config records nothing again). ValueError naming what is left when nothing is."""
-    entries = quarantined(run_dir)
-    devices = {e.id for e in entries if e.kind == str(TargetKind.DEVICE)}
-    hosts = {e.id for e in entries if e.kind == str(TargetKind.HOST)}
-    if not devices and not hosts:
-        return cfg
-    try:
-        placed, moves = cfg.placed_off(devices=devices, hosts=hosts)
-    except ValueError as exc:  # too little left for the whole world: fewer ranks only where the job declared it
-        return _shrunk(cfg, devices=devices, hosts=hosts, why=str(exc), say=say)
-    if not moves:
-        return cfg
-    for line in moves:
-        say(f"placement off the quarantine list: {line}")
-    before = cfg.placement()
-    _record_moves(run_dir, cfg, placed, lambda rank, uuid: uuid in devices or before[rank][0] in hosts,
-                  lambda rank, uuid: f"rank {rank} placed off quarantined {uuid}: " + "; ".join(moves))
-    return placed
-
-
-def continue_on(cfg: Job, world_size: int) -> tuple[bool, tuple[str, ...]]:
-    """Can the job go on with `world_size` ranks instead of its `cfg.world_size` ("can we continue on 2,047
-    GPUs?"): (yes or no, the conditions or the reasons, one line each). Only the membership change the job declared
-    is taken: a pure data-parallel job with a reconfigurable batch may run on fewer replicas (its own `resized` says
-    whether that many fit its batch); fixed shapes may not; a spare replaces a rank 1:1 and changes no world size."""
-    have, decl = cfg.world_size, cfg.declaration()
-    head = f"the job declares membership {decl.membership}"
-    if world_size == have:
-        return True, (f"the world is unchanged ({have} ranks): a relaunch on them, placed off the quarantine list",)
-    if world_size > have or world_size < 1:
-        return False, (f"{world_size} ranks: only a smaller world than the job's {have} is a membership change here",)
-    if decl.membership is MembershipSupport.FIXED_SHAPES:
-        return False, (f"{head}: its group shapes (FSDP / TP / PP, or a job that has not said) cannot change",
-                       f"it goes on only on its full world of {have} ranks: a full restart once {have} devices can "
-                       "be placed off the quarantine list")
-    if decl.membership is MembershipSupport.SPARE_REPLACEMENT:
-        return False, (f"{head}: a spare takes a lost rank's place 1:1, the world stays {have} ranks",
-                       f"without a spare it goes on only after {have} devices can be placed")
-    try:
-        smaller = cfg.resized(world_size)
-    except ValueError as exc:
-        return False, (f"{head}, but it cannot run on {world_size} ranks: {exc}",)
-    return True, (
-        f"{head}: yes, on {world_size} of {have} ranks (layout {cfg.layout} -> {smaller.layout}), if",
-        "  - it resumes from a committed, verified checkpoint (saved by any dp degree of the same tp and pp), behind "
-        f"the consistency gate on the {world_size} ranks",
-        f"  - the job re-plans its data over {smaller.layout.dp} replicas (its global batch or per-rank work changes)",
-        f"  - the trajectory is CHANGED (batch composition, reduction order): lineage records world {have} -> "
-        f"{world_size}; nothing after it is compared bitwise with the run before",
-    )
-
-
-def _shrunk(cfg: J, *, devices: set[str], hosts: set[str], why: str, say: Callable[[str], None]) -> J:
-    """`cfg` resized to the largest world below its own that can be placed off the quarantine list, when the job
-    declared that membership change (`continue_on`); ValueError with `why` and the job's answer otherwise."""
-    for world in range(cfg.world_size - 1, 0, -1):
-        ok, lines = continue_on(cfg, world)
-        if not ok:
-            if cfg.declaration().membership is not MembershipSupport.PURE_DP_RECONFIGURABLE_BATCH:
-                raise ValueError(f"{why}; no smaller world either: {lines[0]}")
-            continue
-        try:
-            placed, _ = cfg.resized(world).placed_off(devices=devices, hosts=hosts)
-        except ValueError:
-            continue
-        say(f"membership: {why}; {lines[0]}")
-        for line in lines[1:]:
-            say(f"membership: {line}")
-        return placed
-    raise ValueError(f"{why}; no smaller world can be placed either")
-
-
-def _record_moves(run_dir: Path, before_cfg: Job, after_cfg: Job, which: Callable[[int, str], bool],
-                  text: Callable[[int, str], str]) -> None:
-    """A DEVICE_REPLACED lineage entry (CHANGED: hardware) for each rank `which` picks by (rank, old device) that
-    runs elsewhere after: on another device, or on another host. A device is its UUID, or ``host:slot`` where the
-    placement names none (a job on a host list)."""
-    before, after = before_cfg.placement(), after_cfg.placement()
-    book = Lineage(lineage_path(run_dir))
-
-    def name(p: tuple[str, int, str]) -> str:
-        return p[2] or f"{p[0]}:{p[1]}"
-
-    for rank, place in before.items():
-        old, new = name(place), name(after[rank])
-        if which(rank, old) and new != old:
-            book.append(NewEntry(kind=LineageKind.DEVICE_REPLACED, verdict=LineageVerdict.changed(
-                ChangeReason.HARDWARE, note="another physical device; bitwise identity is not assumed"),
-                details=Details(old_device=old, new_device=new, text=text(rank, old))))
-
-
-def reshuffled(run_dir: Path, cfg: J, suspects: Sequence[str], *, say: Callable[[str], None] = lambda _: None) -> J:
-    """`cfg` with the ranks rotated over their hosts' device slots (the job's `rotations`, nearest first) so that
-    every suspect device (UUID) holds another rank number than now, and no rank is on a quarantined device: the next
-    occurrence of a fault that recurred on one device under one rank number then tells device from rank. Every rank
-    that changes device is recorded in lineage (DEVICE_REPLACED). `cfg` itself, said, when no rotation does."""
-    bad = {e.id for e in quarantined(run_dir) if e.kind == str(TargetKind.DEVICE)}
-    holder = {u: r for r, (_, _, u) in cfg.placement().items()}
-    for k, moved in enumerate(cfg.rotations(), 1):
-        there = {u: r for r, (_, _, u) in moved.placement().items()}
-        if set(there) & bad or any(d in holder and there.get(d, holder[d]) == holder[d] for d in suspects):
-            continue
-        why = (f"rotated by {k} device slot(s): {', '.join(suspects)} recurred under one rank number; another rank "
-               f"number on it tells device from rank")
-        say(f"placement: {why}")
-        _record_moves(run_dir, cfg, moved, lambda rank, uuid: True, lambda rank, uuid: f"rank {rank} moved off {uuid}: {why}")
-        return moved
-    say(f"placement: no rotation of the device slots puts another rank on {', '.join(suspects)} clear of the "
-        f"quarantine list; placed as before")
-    return cfg
 
 
 def _retire(run_dir: Path, checkpoint: CheckpointRef | None, rid: str) -> tuple[str, ...]:
@@ -660,6 +589,11 @@ def _record_json(r: RecoveryRecord) -> dict[str, Any]:
         "escalations": list(p.escalations),
         "skipped": list(p.skipped),
         "reshuffle": list(p.reshuffle),
+        "detected_wall_ns": p.detected_wall_ns,
+        "detected_by": p.detected_by or None,
+        "decided_wall_ns": p.decided_wall_ns,
+        "advice": [a.to_dict() for a in p.advice],
+        "advice_notes": list(p.advice_notes),
         "evidence": [str(e) for e in r.evidence],
         "quarantined": list(r.quarantined),
         "retired": list(r.retired),
@@ -752,7 +686,8 @@ Planner = Callable[[Path, Job, AlertMessage], RecoveryPlan]
 def plan_from_message(run_dir: Path, cfg: Job, message: AlertMessage) -> RecoveryPlan:
     """The manager's own policy on the message's incident alone (no analysis of the run): what a quarantine-only
     decision applies while the job runs on, and the planner for tests with no telemetry."""
-    return plan_recovery([message.incident], job=cfg.declaration(), catalog=catalog_view(Path(run_dir), cfg.layout))
+    plan = plan_recovery([message.incident], job=cfg.declaration(), catalog=catalog_view(Path(run_dir), cfg.layout))
+    return replace(plan, decided_wall_ns=time.time_ns())
 
 
 def plan_live(run_dir: Path, cfg: Job, message: AlertMessage) -> RecoveryPlan:

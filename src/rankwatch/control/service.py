@@ -198,6 +198,9 @@ class Manager:
         self._closing = False
         self._acting: frozenset[str] = frozenset()
         """The incidents of the plan being applied (its record is written only once the relaunch ends)."""
+        self._received: dict[str, int] = {}
+        """When each decision message queued since this start arrived (wall ns): its plan's detection, where earlier
+        (`RecoveryPlan.seen`). One queued again after a restart has none."""
         self._db: Ledger | None = None
         self._worker: threading.Thread | None = None
         self._job_thread: threading.Thread | None = None
@@ -279,6 +282,8 @@ class Manager:
         if message.type is not MessageType.DECISION:
             log.info("incident %s %s (%s)", shown(message.incident_id), message.status, msg_id)
             return Reply(status=200, body={"recorded": True, "id": msg_id})
+        with self._lock:
+            self._received[msg_id] = time.time_ns()
         stopping = message.stops_job and self._stop_for(message)
         self._queue.put((msg_id, message))
         assert message.decision is not None
@@ -424,8 +429,10 @@ class Manager:
                     return  # what is left stays "accepted": the next start queues it again
             msg_id, message = item
             self.db.mark(msg_id, MessageState.STARTED)
+            with self._lock:
+                received = self._received.pop(msg_id, None)
             try:
-                outcome, rid = self._act(message)
+                outcome, rid = self._act(message, received, msg_id)
             except Exception as exc:
                 why = f"{type(exc).__name__}: {exc}"
                 log.error("decision %s failed: %s", msg_id, why, exc_info=True)
@@ -441,14 +448,15 @@ class Manager:
             raise ValueError("the service was started without a job and cannot read one back from the run")
         return self._load_job(self.run_dir)  # a service (re)started without a job: the run's latest launch
 
-    def _act(self, message: AlertMessage) -> tuple[str, str | None]:
+    def _act(self, message: AlertMessage, received_ns: int | None = None, msg_id: str = "") -> tuple[str, str | None]:
         d = message.decision
         assert d is not None
         if d.action is Action.OBSERVE:
             return "observed: nothing to do", None
         cfg = self._config()
+        arrived = f"the decision message {msg_id} reached the manager service"
         if not message.stops_job:
-            plan = plan_from_message(self.run_dir, cfg, message)
+            plan = plan_from_message(self.run_dir, cfg, message).seen(received_ns, arrived)
             if plan.relaunch:  # only a relaunching decision (or a fail-stop / hang) may stop the job
                 plan = replace(plan, action=Action.QUARANTINE if plan.quarantines else Action.OBSERVE, checkpoint=None)
             if not plan.quarantines:
@@ -476,7 +484,7 @@ class Manager:
         with self._lock:
             before = self._state
             self._state = JobState.RECOVERING
-        plan = self._planner(self.run_dir, cfg, message)
+        plan = self._planner(self.run_dir, cfg, message).seen(received_ns, arrived)
         for line in plan.lines():
             log.info("plan: %s", line)
         if not plan.relaunch and not plan.quarantines:

@@ -24,8 +24,9 @@ _R, _S = "rank", "step"
 def incident_table(incidents: Sequence[Incident], decided: pl.DataFrame,
                    start_wall_ns: int = 0) -> pl.DataFrame:
     """One row per incident, most consequential first: class, subject, ranks, onset and detection step, when it
-    was detected (seconds into the run), confidence, cause, the summary, and the latest decision and its status
-    ('none' when nothing was decided)."""
+    was detected (seconds into the run), confidence, cause, the summary, the latest decision and its status
+    ('none' when nothing was decided), and what it cost (`Incident.impact`: the share of step time over its span,
+    seconds and GPU-hours lost; null where not measured)."""
     latest: dict[str, dict[str, Any]] = {}
     for row in decided.iter_rows(named=True):
         latest[row["incident"]] = row
@@ -39,11 +40,15 @@ def incident_table(incidents: Sequence[Incident], decided: pl.DataFrame,
             else round((i.detection_wall_ns - start_wall_ns) / 1e9, 1),
             "confidence": round(i.confidence, 2), "cause": str(i.cause), "device_fault": i.device_fault,
             "decision": "none" if d is None else d["action"] + (f" {d['target']}" if d["target"] else ""),
-            "status": "undecided" if d is None else str(d["outcome"]), "summary": i.summary})
+            "status": "undecided" if d is None else str(d["outcome"]), "summary": i.summary,
+            "cost_share": None if i.impact is None else i.impact.share,
+            "lost_s": None if i.impact is None else i.impact.lost_s,
+            "gpu_hours": None if i.impact is None else i.impact.gpu_hours})
     return pl.DataFrame(rows, schema={
         "id": pl.String, "class": pl.String, "subject": pl.String, "ranks": pl.String, "onset_step": pl.Int64,
         "detection_step": pl.Int64, "since_s": pl.Float64, "confidence": pl.Float64, "cause": pl.String,
-        "device_fault": pl.Boolean, "decision": pl.String, "status": pl.String, "summary": pl.String})
+        "device_fault": pl.Boolean, "decision": pl.String, "status": pl.String, "summary": pl.String,
+        "cost_share": pl.Float64, "lost_s": pl.Float64, "gpu_hours": pl.Float64})
 
 
 def _ranks_text(ranks: Sequence[int], limit: int = 8) -> str:

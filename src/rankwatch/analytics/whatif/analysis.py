@@ -4,9 +4,12 @@ Definitions (after Lin et al., "Understanding Stragglers in Large Model Training
 
 * T: the replay with every duration as measured; T_ideal: with every duration replaced by its ideal (the peers'
   median for the same operation, `Graph.ideal_work` / `ideal_transfer`). The job's slowdown S = T / T_ideal.
-* For a subject X (a rank, a pipeline stage, a kind of work, a collective op, a group): S_X = T(X as measured, the
-  rest ideal) / T_ideal, the slowdown X alone causes; and what fixing X saves, T - T(X ideal, the rest as
-  measured), as a share of T.
+* For a subject X (a rank, a host, a pipeline stage, a kind of work, a collective op, a group): S_X = T(X as
+  measured, the rest ideal) / T_ideal, the slowdown X alone causes; and what fixing X saves, T - T(X ideal, the
+  rest as measured), as a share of T.
+* A rank's (and a host's) part is its work and, of each transfer among members on one host, the share of the
+  transfer's excess charged to it (`_charges`: no wire to blame there; a process that loses its CPU holds the
+  ring). A transfer across hosts is its group's (a link).
 * Stage partitioning: T_ideal against T_ideal with each stage's compute scaled to the mean stage's (the work
   re-partitioned evenly), as a share of T; a whole stage slower than the others is no single worker's issue and
   no median over the stage's own ranks removes it (and a straggler, made ideal first, does not pass for one).
@@ -21,15 +24,15 @@ the graph holds what the run did.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from rankwatch.analytics.whatif.graph import Graph, Instance, Work, replay
+from rankwatch.analytics.whatif.graph import Graph, Instance, Schedule, Work
 
-__all__ = ["Share", "WhatIf", "analyze_graph"]
+__all__ = ["Costing", "Share", "WhatIf", "analyze_graph"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +63,8 @@ class WhatIf:
     ideal_ns: float
     by_rank: tuple[Share, ...]
     by_stage: tuple[Share, ...]
+    by_host: tuple[Share, ...]
+    """Every rank of a host made ideal at once (jobs on several hosts)."""
     by_kind: tuple[Share, ...]
     by_op: tuple[Share, ...]
     by_group: tuple[Share, ...]
@@ -67,6 +72,11 @@ class WhatIf:
     """Saving of an even re-partition of the stages' compute (pipelines only)."""
     last_rank: tuple[int, float] | None
     """(the rank most often with the most own work over its stage's median, the share of steps it was)."""
+    rotation: tuple[int, int] = (0, 0)
+    """(how many different ranks had the most own work over their stage's median in some step, over how many
+    steps): one worker's issue keeps it at one; random per-step imbalance spreads it over many."""
+    step_ns: tuple[tuple[int, float], ...] = ()
+    """(step, its replayed duration as measured), in step order: what an incident's span is measured against."""
     warnings: tuple[str, ...] = field(default=())
 
     @property
@@ -88,7 +98,8 @@ class WhatIf:
                 f"S = {self.slowdown:.3f} (T {self.actual_ns / 1e6:.1f} ms replayed, {self.measured_ns / 1e6:.1f} ms "
                 f"measured, ideal {self.ideal_ns / 1e6:.1f} ms; {self.lost_share:.1%} of the time lost to slowness)")
         lines = [head]
-        for title, shares in (("rank", self.by_rank), ("stage", self.by_stage), ("kind", self.by_kind),
+        for title, shares in (("rank", self.by_rank), ("stage", self.by_stage), ("host", self.by_host),
+                              ("kind", self.by_kind),
                               ("op", self.by_op), ("group", self.by_group)):
             top = [s for s in shares if s.saved_share >= 0.005][:4]
             if top:
@@ -110,101 +121,258 @@ class WhatIf:
             "measured_ms": round(self.measured_ns / 1e6, 3), "replayed_ms": round(self.actual_ns / 1e6, 3),
             "ideal_ms": round(self.ideal_ns / 1e6, 3), "fidelity": round(self.fidelity, 4),
             "by_rank": [s.to_dict() for s in self.by_rank], "by_stage": [s.to_dict() for s in self.by_stage],
+            "by_host": [s.to_dict() for s in self.by_host],
             "by_kind": [s.to_dict() for s in self.by_kind], "by_op": [s.to_dict() for s in self.by_op],
             "by_group": [s.to_dict() for s in self.by_group],
             "stage_partition": self.stage_partition.to_dict() if self.stage_partition is not None else None,
             "last_rank": ({"rank": self.last_rank[0], "share_of_steps": round(self.last_rank[1], 4)}
                           if self.last_rank is not None else None),
+            "ranks_ever_last": self.rotation[0],
             "warnings": list(self.warnings),
         }
 
 
+_Spec = tuple[str, np.ndarray, np.ndarray]
+"""(subject, which work items are its (bool per item), the part of each instance's excess that is (0..1))."""
+_BATCH = 64
+"""Duration sets replayed together (memory: work items x this many floats)."""
+
+
+class Costing:
+    """What making any part of a replayed window ideal saves: the graph with its measured and ideal durations, its
+    replay schedule (compiled once), and replays on demand, batched (two per subject). `analyze_graph` asks it for
+    the standard subjects; an incident's impact (`analytics.impact`) for the incident's own (its ranks, its link's
+    groups). Pure."""
+
+    def __init__(self, graph: Graph, *, stage_of: Mapping[int, int], host_of: Mapping[int, str] | None = None) -> None:
+        self.graph = graph
+        self.schedule = Schedule.of(graph)
+        self.stage_of = dict(stage_of)
+        self.host_of = dict(host_of or {})
+        self.actual_w, self.actual_t = graph.work_ns, graph.transfer_ns
+        self.ideal_w, self.ideal_t = graph.ideal_work(), graph.ideal_transfer()
+        self.owner = np.empty(len(graph.work), dtype=np.int64)
+        for rank, program in graph.programs.items():
+            for item in program:
+                if isinstance(item, Work):
+                    self.owner[item.id] = rank
+        self.own = np.array([w.kind in _OWN_KINDS for w in graph.work], dtype=bool)
+        excess_w = np.maximum(0.0, self.actual_w - self.ideal_w)
+        self.own_excess = {r: float(excess_w[self.own & (self.owner == r)].sum()) for r in graph.programs}
+        self.charges = _charges(graph, self.own_excess, self.host_of)
+        self.delta_t = self.actual_t - self.ideal_t
+        t, steps = self.schedule.evaluate(np.stack([self.actual_w, self.ideal_w], axis=1),
+                                          np.stack([self.actual_t, self.ideal_t], axis=1))
+        span = t.max(axis=0) if len(t) else np.zeros(2)
+        self.actual_ns, self.ideal_ns = float(span[0]), float(span[1])
+        self.step_end_ns = {s: float(v[0]) for s, v in steps.items()}
+        """When each step ended in the replay as measured."""
+
+    def makespans(self, durations: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+        """The replayed makespan of each (work, transfer) duration set, `_BATCH` at a time."""
+        out: list[float] = []
+        for lo in range(0, len(durations), _BATCH):
+            chunk = durations[lo: lo + _BATCH]
+            t, _ = self.schedule.evaluate(np.stack([w for w, _ in chunk], axis=1),
+                                          np.stack([x for _, x in chunk], axis=1))
+            out.extend(float(v) for v in (t.max(axis=0) if len(t) else np.zeros(len(chunk))))
+        return out
+
+    def shares(self, specs: Sequence[_Spec]) -> list[Share]:
+        """Each subject's `Share`: the replay with only it as measured, and with only it made ideal."""
+        sets: list[tuple[np.ndarray, np.ndarray]] = []
+        for _, work, transfer in specs:
+            sets.append((np.where(work, self.actual_w, self.ideal_w), self.ideal_t + transfer * self.delta_t))
+            sets.append((np.where(work, self.ideal_w, self.actual_w), self.actual_t - transfer * self.delta_t))
+        spans = self.makespans(sets)
+        out = []
+        for n, (subject, _, _) in enumerate(specs):
+            alone, fixed = spans[2 * n], spans[2 * n + 1]
+            saved = self.actual_ns - fixed
+            out.append(Share(subject=subject, slowdown=alone / self.ideal_ns if self.ideal_ns > 0 else 1.0,
+                             saved_ns=saved, saved_share=saved / self.actual_ns if self.actual_ns > 0 else 0.0))
+        return out
+
+    def share(self, subject: str, work: np.ndarray, transfer: np.ndarray) -> Share:
+        return self.shares([(subject, work, transfer)])[0]
+
+    def rank_spec(self, subject: str, ranks: Collection[int], *, own: bool = False) -> _Spec:
+        """Every work item of these ranks (`own`: only their own work, `_OWN_KINDS`, no checkpoint or time between
+        steps), and their part of transfers on one host (`_charges`)."""
+        t = np.zeros(len(self.actual_t))
+        for r in ranks:
+            if r in self.charges:
+                t += self.charges[r]
+        work = np.isin(self.owner, list(ranks))
+        return subject, work & self.own if own else work, np.minimum(t, 1.0)
+
+    def group_spec(self, subject: str, groups: Collection[str]) -> _Spec:
+        """Every transfer over these groups."""
+        t = np.array([1.0 if i.group in groups else 0.0 for i in self.graph.instances])
+        return subject, np.zeros(len(self.actual_w), bool), t
+
+    def ranks(self, subject: str, ranks: Collection[int]) -> Share:
+        return self.share(*self.rank_spec(subject, ranks))
+
+    def groups(self, subject: str, groups: Collection[str]) -> Share:
+        return self.share(*self.group_spec(subject, groups))
+
+    def own_work(self, subject: str) -> Share:
+        """Every rank's own work (compute, dataloader waits, lateness to see a collective done) at once."""
+        return self.share(subject, self.own, np.zeros(len(self.actual_t)))
+
+    def excess_order(self) -> list[int]:
+        """The ranks, the most excess (own, and charged transfers) first."""
+        pos = np.maximum(self.delta_t, 0.0)
+        return sorted(self.graph.programs, key=lambda r: (-(self.own_excess[r] + float(
+            (self.charges[r] * pos).sum() if r in self.charges else 0.0)), r))
+
+    def span_ns(self, first: int, last: int) -> float:
+        """The replayed time (as measured) of steps first..last."""
+        ends = self.step_end_ns
+        before = [t for s, t in ends.items() if s < first]
+        inside = [t for s, t in ends.items() if first <= s <= last]
+        return max(inside, default=0.0) - max(before, default=0.0)
+
+
 def analyze_graph(graph: Graph, *, stage_of: Mapping[int, int], measured_ns: float, first_step: int, last_step: int,
-                  attempt: int | None = None, warnings: Sequence[str] = ()) -> WhatIf:
-    """The what-if of a built graph (module docstring). Pure."""
-    actual_w, actual_t = graph.work_ns, graph.transfer_ns
-    ideal_w, ideal_t = graph.ideal_work(), graph.ideal_transfer()
-    owner = np.empty(len(graph.work), dtype=np.int64)
-    for rank, program in graph.programs.items():
-        for item in program:
-            if isinstance(item, Work):
-                owner[item.id] = rank
+                  attempt: int | None = None, warnings: Sequence[str] = (), host_of: Mapping[int, str] | None = None,
+                  rank_subjects: int | None = None, named: Sequence[int] = (), costing: Costing | None = None
+                  ) -> WhatIf:
+    """The what-if of a built graph (module docstring). Pure. `host_of` (rank -> host) says which transfers ran on
+    one host (charged to their members, `_charges`) and adds the hosts as subjects where there are several.
+    `rank_subjects` bounds the ranks costed one by one (two replays each) to that many, the ranks with the most
+    excess first, and every rank in `named`, and the groups to that many with the most transfer excess (every host
+    is costed); None costs every rank and group. `costing`: the graph's, when already made."""
+    c = costing if costing is not None else Costing(graph, stage_of=stage_of, host_of=host_of)
+    no_w = np.zeros(len(c.actual_w), bool)
+    no_t = np.zeros(len(c.actual_t))
+    specs: dict[str, list[_Spec]] = {"rank": [], "stage": [], "host": [], "kind": [], "op": [], "group": []}
 
-    def makespan(keep_w: np.ndarray, keep_t: np.ndarray) -> float:
-        return replay(graph, np.where(keep_w, actual_w, ideal_w), np.where(keep_t, actual_t, ideal_t)).makespan_ns
-
-    all_w, no_w = np.ones(len(actual_w), bool), np.zeros(len(actual_w), bool)
-    all_t, no_t = np.ones(len(actual_t), bool), np.zeros(len(actual_t), bool)
-    t_actual = makespan(all_w, all_t)
-    t_ideal = makespan(no_w, no_t)
-
-    def share(subject: str, work: np.ndarray, transfer: np.ndarray) -> Share:
-        alone = makespan(work, transfer)
-        fixed = makespan(~work, ~transfer)
-        saved = t_actual - fixed
-        return Share(subject=subject, slowdown=alone / t_ideal if t_ideal > 0 else 1.0, saved_ns=saved,
-                     saved_share=saved / t_actual if t_actual > 0 else 0.0)
-
-    def ranked(shares: list[Share]) -> tuple[Share, ...]:
-        return tuple(sorted(shares, key=lambda s: (-s.saved_ns, s.subject)))
-
-    def by(items: Sequence[Work] | Sequence[Instance], name: Callable[[Any], str], is_work: bool) -> tuple[Share, ...]:
+    def by(what: str, items: Sequence[Work] | Sequence[Instance], name: Callable[[Any], str], is_work: bool) -> None:
         groups: dict[str, list[int]] = {}
         for x in items:
             groups.setdefault(name(x), []).append(x.id)
-        out = []
         for subject, ids in groups.items():
             w, t = no_w.copy(), no_t.copy()
-            (w if is_work else t)[ids] = True
-            out.append(share(subject, w, t))
-        return ranked(out)
+            if is_work:
+                w[ids] = True
+            else:
+                t[ids] = 1.0
+            specs[what].append((subject, w, t))
 
-    by_rank = ranked([share(f"rank:{r}", owner == r, no_t) for r in sorted(graph.programs)])
+    ordered = c.excess_order()
+    costed = ordered if rank_subjects is None else sorted(
+        set(ordered[:rank_subjects]) | {r for r in named if r in graph.programs})
+    specs["rank"] = [c.rank_spec(f"rank:{r}", [r]) for r in sorted(costed)]
     stages = sorted(set(stage_of.values()))
-    by_stage = ranked([share(f"stage:{s}", np.isin(owner, [r for r, st in stage_of.items() if st == s]), no_t)
-                       for s in stages]) if len(stages) > 1 else ()
-    by_kind = by(graph.work, lambda w: f"kind:{w.kind}", True)
-    by_op = by(graph.instances, lambda i: f"op:{i.op}", False)
-    by_group = by(graph.instances, lambda i: f"group:{i.group}", False)
-    partition = (_stage_partition(graph, owner, stage_of, ideal_w, ideal_t, t_ideal, t_actual)
-                 if len(stages) > 1 else None)
+    if len(stages) > 1:
+        specs["stage"] = [(f"stage:{s}", np.isin(c.owner, [r for r, st in stage_of.items() if st == s]), no_t)
+                          for s in stages]
+    every_host = sorted({c.host_of[r] for r in graph.programs if r in c.host_of})
+    if len(every_host) > 1:  # every host: what a typical host saves is the measure of an unusual one
+        specs["host"] = [c.rank_spec(f"host:{h}", [r for r in graph.programs if c.host_of.get(r) == h])
+                         for h in every_host]
+    by("kind", graph.work, lambda w: f"kind:{w.kind}", True)
+    by("op", graph.instances, lambda i: f"op:{i.op}", False)
+    instances: Sequence[Instance] = graph.instances
+    if rank_subjects is not None:  # the groups with the most transfer excess
+        excess: dict[str, float] = {}
+        for i in graph.instances:
+            excess[i.group] = excess.get(i.group, 0.0) + max(0.0, float(c.delta_t[i.id]))
+        top = set(sorted(excess, key=lambda g: (-excess[g], g))[:rank_subjects])
+        instances = [i for i in graph.instances if i.group in top]
+    by("group", instances, lambda i: f"group:{i.group}", False)
+    flat = [x for v in specs.values() for x in v]
+    found = iter(c.shares(flat))
+    shares = {what: tuple(sorted((next(found) for _ in v), key=lambda s: (-s.saved_ns, s.subject)))
+              for what, v in specs.items()}
+    partition = _stage_partition(c, stage_of) if len(stages) > 1 else None
+    winners, steps = _winners(graph, c.owner, stage_of)
     return WhatIf(attempt=attempt, first_step=first_step, last_step=last_step, ranks=len(graph.programs),
-                  measured_ns=measured_ns, actual_ns=t_actual, ideal_ns=t_ideal, by_rank=by_rank, by_stage=by_stage,
-                  by_kind=by_kind, by_op=by_op, by_group=by_group, stage_partition=partition,
-                  last_rank=_last_rank(graph, owner, stage_of), warnings=tuple(warnings))
+                  measured_ns=measured_ns, actual_ns=c.actual_ns, ideal_ns=c.ideal_ns, by_rank=shares["rank"],
+                  by_stage=shares["stage"], by_host=shares["host"], by_kind=shares["kind"], by_op=shares["op"],
+                  by_group=shares["group"], stage_partition=partition, last_rank=_last_rank(winners, steps),
+                  rotation=(len(winners), steps), step_ns=_step_times(c.step_end_ns), warnings=tuple(warnings))
 
 
-def _stage_partition(graph: Graph, owner: np.ndarray, stage_of: Mapping[int, int], ideal_w: np.ndarray,
-                     ideal_t: np.ndarray, as_is: float, t_actual: float) -> Share:
+_OWN_KINDS = frozenset({"compute", "dataloader", "exit"})
+"""A rank's own work: what it does alone (not waiting, not saving), and its lateness in seeing a collective done."""
+
+
+_LOST_CPU = 2.0
+"""A member shows lost CPU when its own excess work over the window is more than this many times its fellow members'
+median. Measured on the canary (`benchmarks/whatif_duty_cycle.py`, 4 ranks on 2 cores): in 12 untouched runs the
+largest member's excess was at most 1.37 times the others' median; a rank stopped from outside 35 ms in every 100
+showed 3.7 to 8 times. Charging in proportion to the whole excess instead under-charged the stopped rank by 13 % on
+average; charging what exceeds the others' median (a factor 1) handed one member all of a jittery untouched run's
+transfer excess (6 % of its time, an incident)."""
+
+
+def _charges(graph: Graph, own_excess: Mapping[int, float], hosts: Mapping[int, str]) -> dict[int, np.ndarray]:
+    """For each rank, the part of each instance's transfer excess that is its own: on one host there is no wire to
+    blame (a loopback transfer runs on its members' CPUs), so a transfer slower than its peers' is a member's process
+    losing its CPU during it (stopped, descheduled). The transfer alone cannot tell which member (every member of a
+    ring waits for the slowest), so the excess goes to the members whose own excess work over the window shows lost
+    CPU, in proportion to it: what a member's own excess exceeds `_LOST_CPU` times the other members' median (a rank
+    above its peers' median work is, step by step, also the upper half of symmetric jitter, which every member
+    has). A transfer crossing hosts, or whose members show no lost CPU, stays with its group (a link, `by_group`)."""
+    out: dict[int, np.ndarray] = {}
+    for inst in graph.instances:
+        if len(inst.members) < 2 or not all(m in hosts for m in inst.members):
+            continue
+        if len({hosts[m] for m in inst.members}) != 1:
+            continue
+        x = {m: own_excess.get(m, 0.0) for m in inst.members}
+        above = {m: max(0.0, x[m] - _LOST_CPU * float(np.median([v for o, v in x.items() if o != m])))
+                 for m in inst.members}
+        total = sum(above.values())
+        if total <= 0:
+            continue
+        for m, lost in above.items():
+            if lost > 0:
+                out.setdefault(m, np.zeros(len(graph.instances)))[inst.id] = lost / total
+    return out
+
+
+def _step_times(ends: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
+    """(step, replayed duration as measured): each step's end less the previous step's end (the first: from 0)."""
+    out, prev = [], 0.0
+    for s in sorted(ends):
+        out.append((s, ends[s] - prev))
+        prev = ends[s]
+    return tuple(out)
+
+
+def _stage_partition(c: Costing, stage_of: Mapping[int, int]) -> Share:
     """The ideal run (no worker slower than its peers) against the same with each stage's compute scaled to the mean
     stage's (per rank of the stage): what partitioning alone costs, apart from any straggler (a slow rank makes its
     stage's measured compute look heavy; its stage's ideal does not)."""
-    compute = np.array([w.kind == "compute" for w in graph.work])
-    stage = np.array([stage_of[int(r)] for r in owner])
-    per_stage = {s: ideal_w[compute & (stage == s)].sum() / max(1, sum(1 for st in stage_of.values() if st == s))
+    compute = np.array([w.kind == "compute" for w in c.graph.work])
+    stage = np.array([stage_of[int(r)] for r in c.owner])
+    per_stage = {s: c.ideal_w[compute & (stage == s)].sum() / max(1, sum(1 for st in stage_of.values() if st == s))
                  for s in set(stage_of.values())}
     mean = float(np.mean(list(per_stage.values())))
-    scaled = ideal_w.copy()
+    scaled = c.ideal_w.copy()
     for s, total in per_stage.items():
         if total > 0:
             mask = compute & (stage == s)
             scaled[mask] *= mean / total
-    balanced = replay(graph, scaled, ideal_t).makespan_ns
-    saved = as_is - balanced
-    return Share(subject="stage_partition", slowdown=as_is / balanced if balanced > 0 else 1.0, saved_ns=saved,
-                 saved_share=saved / t_actual if t_actual > 0 else 0.0)
+    balanced = c.makespans([(scaled, c.ideal_t)])[0]
+    saved = c.ideal_ns - balanced
+    return Share(subject="stage_partition", slowdown=c.ideal_ns / balanced if balanced > 0 else 1.0, saved_ns=saved,
+                 saved_share=saved / c.actual_ns if c.actual_ns > 0 else 0.0)
 
 
-def _last_rank(graph: Graph, owner: np.ndarray, stage_of: Mapping[int, int]) -> tuple[int, float] | None:
-    """The rank most often with the most own work (compute and dataloader) over its stage's median in a step."""
+def _winners(graph: Graph, owner: np.ndarray, stage_of: Mapping[int, int]) -> tuple[Counter[int], int]:
+    """In how many steps each rank had the most own work (compute and dataloader) over its stage's median, and over
+    how many steps."""
     own: dict[tuple[int, int], float] = {}
     for w in graph.work:
-        if w.kind in ("compute", "dataloader"):
+        if w.kind in _OWN_KINDS:
             key = (int(owner[w.id]), w.step)
             own[key] = own.get(key, 0.0) + float(graph.work_ns[w.id])
     steps = sorted({s for _, s in own})
-    if not steps:
-        return None
     winners: Counter[int] = Counter()
     for s in steps:
         excess: dict[int, float] = {}
@@ -217,5 +385,12 @@ def _last_rank(graph: Graph, owner: np.ndarray, stage_of: Mapping[int, int]) -> 
                 excess[r] = own[(r, s)] - median
         if excess:
             winners[max(excess, key=lambda r: (excess[r], -r))] += 1
+    return winners, len(steps)
+
+
+def _last_rank(winners: Counter[int], steps: int) -> tuple[int, float] | None:
+    """The rank most often with the most own work over its stage's median in a step, and the share of steps."""
+    if not winners:
+        return None
     rank, count = winners.most_common(1)[0]
-    return rank, count / len(steps)
+    return rank, count / steps

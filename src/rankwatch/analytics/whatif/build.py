@@ -19,6 +19,9 @@ way).
 * The time between two points is split by kind: the rank's dataloader waits (`phases` named ``data``) and the
   checkpoint phases of steps that counted checkpoint time (a save on a thread of its own counts none) are their
   own kinds; the rest of a step is compute, and the time between steps is ``outside``.
+* Where an instance's members share a host (one wall clock), a member that left it later than the transfer was
+  done (the median member's end) was late to see it: stopped or descheduled as the result arrived. That lag is
+  the member's own work (``exit``) after its join, so the replay keeps it and a what-if can fix it.
 * Peers for the ideal: work of the ranks of the same pipeline stage at the same place of the same step; transfers of
   the same operation and size over groups of the same kind, across the window.
 
@@ -28,6 +31,7 @@ operation (not built yet: `WhatIfInputError` says so).
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,8 +85,22 @@ _MakeInstance = Callable[[tuple[object, ...], str, str, tuple[int, ...], int, in
 """(key, op, group, group_ranks, step, bytes, point-to-point) -> the instance's id."""
 
 
-def _overlap(a: int, b: int, spans: list[tuple[int, int]]) -> int:
-    return sum(max(0, min(b, e) - max(a, s)) for s, e in spans)
+class _Spans:
+    """A rank's (start, end) spans, sorted, for the time of [a, b) inside them (`overlap`), in log time."""
+
+    def __init__(self, spans: list[tuple[int, int]]) -> None:
+        self.spans = sorted(spans)
+        self.starts = [s for s, _ in self.spans]
+        self.longest = max((e - s for s, e in self.spans), default=0)
+
+    def overlap(self, a: int, b: int) -> int:
+        total = 0
+        i = bisect.bisect_left(self.starts, b) - 1  # spans starting before b; none ending after a starts before
+        while i >= 0 and self.starts[i] > a - self.longest:
+            s, e = self.spans[i]
+            total += max(0, min(b, e) - max(a, s))
+            i -= 1
+        return total
 
 
 def build_graph(ranks: list[RankSteps], group_kinds: dict[str, str]) -> Graph:
@@ -123,19 +141,25 @@ def build_graph(ranks: list[RankSteps], group_kinds: dict[str, str]) -> Graph:
     for r in ranks:
         programs[r.rank] = _program(r, instance, members)
     transfers = np.zeros(len(instances))
+    end_wall: dict[int, float] = {}  # one-host instances: when the transfer was done, on the host's clock
     for i, inst in enumerate(instances):
         seen = members[i]
         ranks_seen = tuple(sorted({m[0] for m in seen}))
-        transfers[i] = _transfer(seen, members[inst.after] if inst.after is not None else [], host_of)
+        before = members[inst.after] if inst.after is not None else []
+        transfers[i] = _transfer(seen, before, host_of)
+        if len(seen) > 1 and len({host_of.get(m[0]) for m in seen}) == 1:
+            prev = {m[0]: m[4] for m in before}
+            end_wall[i] = max(max(ew, prev.get(rank, ew)) for rank, _, _, ew, _ in seen) + transfers[i]
         if ranks_seen != tuple(sorted(inst.members)):
             instances[i] = Instance(id=i, op=inst.op, group=inst.group, members=ranks_seen, after=inst.after,
                                     step=inst.step, key=inst.key)
+    exits = {(m[0], i): float(m[4]) for i, seen in members.items() for m in seen}
     work: list[Work] = []
     durations: list[float] = []
     out: dict[int, tuple[Item, ...]] = {}
     stage_of = {r.rank: r.stage for r in ranks}
-    spans = {r.rank: (r.data, r.checkpoint, dict(zip(r.steps["step"].to_list(), r.steps["checkpoint_ns"].to_list())))
-             for r in ranks}
+    spans = {r.rank: (_Spans(r.data), _Spans(r.checkpoint),
+                      dict(zip(r.steps["step"].to_list(), r.steps["checkpoint_ns"].to_list()))) for r in ranks}
     for rank, points in programs.items():
         points.sort(key=lambda p: (p.before, p.order))
         items: list[Item] = []
@@ -149,8 +173,8 @@ def build_graph(ranks: list[RankSteps], group_kinds: dict[str, str]) -> Graph:
                 a, b = prev_after, max(prev_after, p.before)
                 parts: list[tuple[str, int]]
                 if inside:
-                    d = _overlap(a, b, data)
-                    c = _overlap(a, b, ckpt) if ckpt_ns.get(step) else 0
+                    d = data.overlap(a, b)
+                    c = ckpt.overlap(a, b) if ckpt_ns.get(step) else 0
                     parts = [("dataloader", d), ("checkpoint", c), ("compute", max(0, b - a - d - c))]
                 else:
                     parts = [("outside", b - a)]
@@ -166,6 +190,13 @@ def build_graph(ranks: list[RankSteps], group_kinds: dict[str, str]) -> Graph:
                 if isinstance(p.item, Mark):
                     inside = False
                 items.append(p.item)
+                if isinstance(p.item, Join) and all(i in end_wall for i in p.item.instances):
+                    # the rank's own delay in seeing the instances done: its last exit after the transfers ended
+                    lag = max(exits[(rank, i)] for i in p.item.instances) - max(end_wall[i] for i in p.item.instances)
+                    work.append(Work(id=len(work), kind="exit", step=step,
+                                     key=(stage_of[rank], step, index, "exit", "Join")))
+                    durations.append(float(max(0.0, lag)))
+                    items.append(work[-1])
             prev_after = p.after
         out[rank] = tuple(items)
     return Graph(programs=out, instances=tuple(instances), work=tuple(work), work_ns=np.array(durations),

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Graph", "Instance", "Join", "Launch", "Mark", "Replay", "Work", "replay"]
+__all__ = ["Graph", "Instance", "Join", "Launch", "Mark", "Replay", "Schedule", "Work", "replay"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,19 +98,40 @@ class Graph:
         return _medians([w.key for w in self.work], self.work_ns)
 
     def ideal_transfer(self) -> np.ndarray:
-        """Each instance's ideal transfer: the (lower) median over the instances sharing its key."""
-        return _medians([i.key for i in self.instances], self.transfer_ns)
+        """Each instance's ideal transfer: the (lower) median over the instances sharing its key, or, where at least
+        half of them were held (`_held_mode`), the median of the ones that were not."""
+        return _medians([i.key for i in self.instances], self.transfer_ns, held=True)
 
 
-def _medians(keys: Sequence[tuple[object, ...]], values: np.ndarray) -> np.ndarray:
+def _medians(keys: Sequence[tuple[object, ...]], values: np.ndarray, *, held: bool = False) -> np.ndarray:
     by: dict[tuple[object, ...], list[int]] = {}
     for i, k in enumerate(keys):
         by.setdefault(k, []).append(i)
     out = np.array(values, dtype=np.float64, copy=True)
     for idx in by.values():
         if len(idx) > 1:
-            out[idx] = float(np.sort(values[idx])[(len(idx) - 1) // 2])
+            v = np.sort(values[idx])
+            lower = _held_mode(v) if held else None
+            out[idx] = float(v[(len(v) - 1) // 2] if lower is None else v[: lower][(lower - 1) // 2])
     return out
+
+
+def _held_mode(v: np.ndarray) -> int | None:
+    """How many of the sorted transfers `v` form the mode of the ones not held, when at least half were held; else
+    None. Transfers of one size over one kind of group are peers over time, and a delay only adds to a transfer:
+    a member stopped or descheduled while it runs holds it for as long (`analysis._charges`). Where that happens to
+    at least half of them (a stop phase-locked to the step), their median is a held transfer and measures the fault,
+    not the norm: the median's breakdown point. They are told apart by a gap: the widest gap between consecutive
+    sorted values, wider than the whole spread of the values below it (at least 3 of them), splits the held from
+    the rest; without one (a link slow all run, or noise) the median stands."""
+    n = len(v)
+    if n < 6:
+        return None
+    gaps = np.diff(v)
+    cut = int(np.argmax(gaps)) + 1  # values [0, cut) below the widest gap
+    if cut < 3 or n - cut < (n + 1) // 2:
+        return None
+    return cut if gaps[cut - 1] > v[cut - 1] - v[0] else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,69 +146,133 @@ class Replay:
         return max(self.finish_ns.values(), default=0.0)
 
 
-def replay(graph: Graph, work_ns: np.ndarray, transfer_ns: np.ndarray) -> Replay:
-    """Run every rank's program from time 0 with these durations (event-driven: a rank runs until it joins an
-    instance not yet complete, and resumes when it completes). Pure."""
-    inst = graph.instances
-    launched = np.zeros(len(inst), dtype=np.int64)
-    last_launch = np.zeros(len(inst), dtype=np.float64)
-    end = np.full(len(inst), np.nan)
-    members = np.array([len(i.members) for i in inst], dtype=np.int64)
-    following: dict[int, list[int]] = {}
-    for x in inst:
-        if x.after is not None:
-            following.setdefault(x.after, []).append(x.id)
-    waiting: dict[int, list[int]] = {}
-    pos = dict.fromkeys(graph.programs, 0)
-    clock = dict.fromkeys(graph.programs, 0.0)
-    step_end: dict[int, float] = {}
-    runnable = list(graph.programs)
+_ADD, _LAUNCH, _DONE, _JOIN, _MARK = range(5)
 
-    def complete(first: int) -> None:
-        stack = [first]
-        while stack:
-            i = stack.pop()
-            if not np.isnan(end[i]) or launched[i] < members[i]:
-                continue
-            before = inst[i].after
-            if before is not None and np.isnan(end[before]):
-                continue
-            start = last_launch[i] if before is None else max(last_launch[i], end[before])
-            end[i] = start + transfer_ns[i]
-            runnable.extend(waiting.pop(i, ()))
-            stack.extend(following.get(i, ()))
 
-    while runnable:
-        rank = runnable.pop()
-        program, t, p = graph.programs[rank], clock[rank], pos[rank]
-        while p < len(program):
-            item = program[p]
-            if isinstance(item, Work):
-                t += work_ns[item.id]
-            elif isinstance(item, Launch):
-                i = item.instance
-                launched[i] += 1
-                if t > last_launch[i]:
-                    last_launch[i] = t
-                complete(i)
-            elif isinstance(item, Join):
-                pending = [i for i in item.instances if np.isnan(end[i])]
-                if pending:
-                    waiting.setdefault(pending[0], []).append(rank)
-                    break
-                t = max(t, *(float(end[i]) for i in item.instances))
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """The order a replay computes in: which rank adds which work, launches, waits for, marks; when each instance
+    completes. Every time in a replay is a max or a sum of earlier ones over the same dependencies (max-plus), so
+    the order does not depend on the durations: one schedule evaluates any number of duration sets at once
+    (`evaluate`)."""
+
+    ops: tuple[tuple[int, int, Any], ...]
+    """(code, rank index, argument): ADD (work ids), LAUNCH (instance), DONE (instance), JOIN (instances), MARK
+    (step)."""
+    ranks: tuple[int, ...]
+    """The rank of each rank index."""
+    after: np.ndarray
+    """Each instance's predecessor on its communicator, -1 for none."""
+
+    @classmethod
+    def of(cls, graph: Graph) -> Schedule:
+        """The schedule of `graph`, from one event-driven pass over its structure. ValueError (one line, naming the
+        rank and the instance) when the programs cannot all run to their end."""
+        inst = graph.instances
+        launched = np.zeros(len(inst), dtype=np.int64)
+        done = np.zeros(len(inst), dtype=bool)
+        members = [len(i.members) for i in inst]
+        following: dict[int, list[int]] = {}
+        for x in inst:
+            if x.after is not None:
+                following.setdefault(x.after, []).append(x.id)
+        ranks = tuple(graph.programs)
+        index = {r: n for n, r in enumerate(ranks)}
+        waiting: dict[int, list[int]] = {}
+        pos = dict.fromkeys(ranks, 0)
+        runnable = list(ranks)
+        ops: list[tuple[int, int, Any]] = []
+
+        def complete(first: int) -> None:
+            stack = [first]
+            while stack:
+                i = stack.pop()
+                if done[i] or launched[i] < members[i]:
+                    continue
+                before = inst[i].after
+                if before is not None and not done[before]:
+                    continue
+                done[i] = True
+                ops.append((_DONE, -1, i))
+                runnable.extend(waiting.pop(i, ()))
+                stack.extend(following.get(i, ()))
+
+        while runnable:
+            rank = runnable.pop()
+            program, p, r = graph.programs[rank], pos[rank], index[rank]
+            adds: list[int] = []
+            while p < len(program):
+                item = program[p]
+                if isinstance(item, Work):
+                    adds.append(item.id)
+                    p += 1
+                    continue
+                if adds:
+                    ops.append((_ADD, r, np.array(adds, dtype=np.int64)))
+                    adds = []
+                if isinstance(item, Launch):
+                    launched[item.instance] += 1
+                    ops.append((_LAUNCH, r, item.instance))
+                    complete(item.instance)
+                elif isinstance(item, Join):
+                    pending = [i for i in item.instances if not done[i]]
+                    if pending:
+                        waiting.setdefault(pending[0], []).append(rank)
+                        break
+                    ops.append((_JOIN, r, item.instances))
+                else:
+                    ops.append((_MARK, r, item.step))
+                p += 1
+            if adds:
+                ops.append((_ADD, r, np.array(adds, dtype=np.int64)))
+            pos[rank] = p
+        stuck = [r for r, p in pos.items() if p < len(graph.programs[r])]
+        if stuck:
+            r = stuck[0]
+            item = graph.programs[r][pos[r]]
+            assert isinstance(item, Join)
+            i = next(i for i in item.instances if not done[i])
+            missing = "its members' launches" if launched[i] < members[i] else "the instance before it on its group"
+            raise ValueError(f"what-if replay: rank {r} waits forever on {inst[i].op} #{i} of group {inst[i].group} at "
+                             f"step {inst[i].step} (never completes: {missing} are missing); {len(stuck)} rank(s) stuck")
+        after = np.array([-1 if x.after is None else x.after for x in inst], dtype=np.int64)
+        return cls(ops=tuple(ops), ranks=ranks, after=after)
+
+    def evaluate(self, work_ns: np.ndarray, transfer_ns: np.ndarray) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """Replay K duration sets at once: `work_ns` (W, K), `transfer_ns` (I, K). Returns each rank's finish (R, K,
+        ranks in `ranks` order) and each step's end ({step: (K,)})."""
+        k = work_ns.shape[1]
+        t = np.zeros((len(self.ranks), k))
+        last = np.zeros((len(self.after), k))
+        end = np.zeros((len(self.after), k))
+        steps: dict[int, np.ndarray] = {}
+        for code, r, arg in self.ops:
+            if code == _ADD:
+                t[r] += work_ns[arg].sum(axis=0)
+            elif code == _LAUNCH:
+                np.maximum(last[arg], t[r], out=last[arg])
+            elif code == _DONE:
+                i = int(arg)
+                b = self.after[i]
+                end[i] = (last[i] if b < 0 else np.maximum(last[i], end[b])) + transfer_ns[i]
+            elif code == _JOIN:
+                ids = arg
+                np.maximum(t[r], end[ids[0]] if len(ids) == 1 else end[list(ids)].max(axis=0),
+                           out=t[r])
             else:
-                if t > step_end.get(item.step, 0.0):
-                    step_end[item.step] = t
-            p += 1
-        clock[rank], pos[rank] = t, p
-    stuck = [r for r, p in pos.items() if p < len(graph.programs[r])]
-    if stuck:
-        r = stuck[0]
-        item = graph.programs[r][pos[r]]
-        assert isinstance(item, Join)
-        i = next(i for i in item.instances if np.isnan(end[i]))
-        missing = "its members' launches" if launched[i] < members[i] else "the instance before it on its group"
-        raise ValueError(f"what-if replay: rank {r} waits forever on {inst[i].op} #{i} of group {inst[i].group} at "
-                         f"step {inst[i].step} (never completes: {missing} are missing); {len(stuck)} rank(s) stuck")
-    return Replay(finish_ns=clock, step_end_ns=step_end)
+                s = int(arg)
+                if s in steps:
+                    np.maximum(steps[s], t[r], out=steps[s])
+                else:
+                    steps[s] = t[r].copy()
+        return t, steps
+
+
+def replay(graph: Graph, work_ns: np.ndarray, transfer_ns: np.ndarray) -> Replay:
+    """Run every rank's program from time 0 with these durations (a rank runs until it joins an instance not yet
+    complete, and resumes when it completes; `Schedule`). Pure."""
+    schedule = Schedule.of(graph)
+    t, steps = schedule.evaluate(np.asarray(work_ns, dtype=np.float64)[:, None],
+                                 np.asarray(transfer_ns, dtype=np.float64)[:, None])
+    return Replay(finish_ns={r: float(t[n, 0]) for n, r in enumerate(schedule.ranks)},
+                  step_end_ns={s: float(v[0]) for s, v in steps.items()})

@@ -101,6 +101,10 @@ def _detail(store: views.ViewStore, inc: Incident, mark: str) -> None:
     d.metric("Confidence", f"{inc.confidence:.2f}")
     if inc.fields or inc.hardware:
         st.caption("Abnormal: " + views.readable_text(", ".join([*inc.fields, *map(str, inc.hardware)])))
+    if inc.impact is not None:
+        st.markdown("**What it cost:** " + views.readable_text(inc.impact.describe() + (
+            f" (S = {inc.impact.slowdown:.3f} with only it slow)" if inc.impact.slowdown is not None else "")
+            + (f"; {inc.impact.note}" if inc.impact.note and inc.impact.lost_s is not None else "")))
     det = data.incident_detail(*data.key(store), inc)
     if views.is_fail_stop(inc):
         _story(store, inc)
