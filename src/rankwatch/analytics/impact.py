@@ -6,9 +6,9 @@ plus collectives held while it is stopped) can cost the job a lot and pass them.
 asks the question that matters instead: how much sooner would the job's steps have ended had this subject done its
 work at its peers' pace? `costed` runs after the detectors:
 
-* **Stragglers found by their cost.** A rank whose fix saves at least `CostConfig.min_share` of the replayed time,
-  or a host whose ranks together save that much more than the typical host's do (and no single one of them most of
-  it), is a straggler incident whatever the shape of its slowness, with the saving as its evidence; unless an
+* **Stragglers found by their cost.** A rank whose own work saves at least `CostConfig.min_share` of the replayed
+  time more than the typical rank's does, or a host whose ranks together save that much more than the typical
+  host's do (and no single one of them most of it), is a straggler incident whatever the shape of its slowness, with the saving as its evidence; unless an
   incident of the analysis already names it, or the window is too short to measure a rate (`min_steps`).
   Benign noise costs nothing: with a peer at the median pace, fixing one noisy rank leaves the next-slowest one
   (a few per cent of a 4-rank CPU run's time at most; `benchmarks/whatif_canary.py`).
@@ -40,6 +40,9 @@ from rankwatch.analytics.whatif import Replayed, Share
 __all__ = ["CostConfig", "costed", "replay_problem"]
 
 _TIMING = frozenset({IncidentClass.STRAGGLER, IncidentClass.IMBALANCE})
+_ALL_RANKS = 256
+"""Up to this many ranks, every rank's own work is costed (the typical rank's saving is their median); above, the
+most excess ones (`CostConfig.rank_subjects`), whose median is higher: fewer costly ranks, never more."""
 _RECOVERY = ("costs what its recovery costs (the work lost since the recovery point, detection, restart and "
              "restore: `rankwatch goodput RUN`), not step time")
 
@@ -100,15 +103,19 @@ def _by_cost(frames: Frames, incidents: Sequence[Incident], replayed: Replayed,
     if w.last_step - w.first_step + 1 < config.min_steps:
         return []
     named = _covered(incidents)
-    ranks = [int(s.subject.split(":")[1]) for s in w.by_rank]
+    every = sorted(c.graph.programs)
+    ranks = every if len(every) <= _ALL_RANKS else [int(s.subject.split(":")[1]) for s in w.by_rank]
     hosts = sorted({h for h in c.host_of.values()}) if len({*c.host_of.values()}) > 1 else []
     members = {h: sorted(r for r, x in c.host_of.items() if x == h) for h in hosts}
     found = c.shares([c.rank_spec(f"rank:{r}", [r], own=True) for r in ranks]
                      + [c.rank_spec(f"host:{h}", members[h], own=True) for h in hosts])
     by_rank, by_host = found[:len(ranks)], found[len(ranks):]
+    # fixing any one rank removes its part of the job's jitter (each step waits for the slowest): a rank is costly
+    # when it saves more than the typical rank does, by the set share (4 CPU ranks on 2 cores: 2-4 % each)
+    usual = max(0.0, float(np.median([s.saved_share for s in by_rank]))) if by_rank else 0.0
     out: list[Incident] = []
     for rank, share in zip(ranks, by_rank):
-        if share.saved_share < config.min_share or rank in named:
+        if share.saved_share - usual < config.min_share or rank in named:
             continue
         out.append(_rank_straggler(frames, rank, share, replayed))
         named.add(rank)
