@@ -83,6 +83,27 @@ def test_exit_code_event_gives_exit_cause() -> None:
     assert (inc.klass, inc.subject.id, inc.cause) == (IncidentClass.FAIL_STOP, "1", Cause.EXIT)
 
 
+def test_a_rank_that_ended_after_finishing_a_save_stopped_in_the_next_step() -> None:
+    """Rank 2 saved its checkpoint of step 10 (fsync ok) and ended abruptly at the start of step 11, losing its
+    step-10 row (last recorded: step 9): the save holds step 10's update, so it stopped in step 11. A save of step 10
+    from before its last recorded step's end (an earlier incarnation's) says nothing."""
+    last = {0: 10, 1: 10, 2: 9, 3: 10}
+    errors, events = _peer_errors(culprit=2, t=70)
+    saved = pl.DataFrame([{"rank": 2, "step": 10, "checkpoint_id": "step-10", "phase": "fsync",
+                           "start_wall_ns": int(10.8 * S), "end_wall_ns": int(10.9 * S), "ok": True}])
+    frames = Frames.build(
+        steps=_steps(last), liveness=_liveness(last, {0: 70, 1: 70, 2: 10.95, 3: 70}), collective_errors=errors,
+        events=pl.DataFrame(events), checkpoints=saved, end_wall_ns=71 * S,
+    )
+    (inc,) = detect_failstops(frames)
+    assert (inc.subject.id, inc.onset_step) == ("2", 11)
+    early = saved.with_columns(pl.lit(int(9.5 * S)).alias("end_wall_ns"))
+    (inc,) = detect_failstops(Frames.build(
+        steps=_steps(last), liveness=_liveness(last, {0: 70, 1: 70, 2: 10.95, 3: 70}), collective_errors=errors,
+        events=pl.DataFrame(events), checkpoints=early, end_wall_ns=71 * S))
+    assert inc.onset_step == 10
+
+
 def test_sigkill_vanished_survivors_signals_are_not_culprits() -> None:
     errors, events = _peer_errors(culprit=2, t=70)
     events += [_ev(r, "signal", 82, signal=15) for r in (0, 1, 3)] + [_ev(r, "exit", 82.1, exit_code=143) for r in (0, 1, 3)]

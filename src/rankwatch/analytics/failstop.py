@@ -60,7 +60,7 @@ import polars as pl
 from rankwatch.analytics.frames import Clock, Frames
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.analytics.transport import NAMED_RANK, REPORTER_RANK, is_reaction, partitioned
-from rankwatch.base.schema import EventKind
+from rankwatch.base.schema import CheckpointPhase, EventKind
 
 __all__ = ["FailStopConfig", "detect_failstops"]
 
@@ -761,6 +761,18 @@ def _job_incident(frames: Frames, live: pl.DataFrame, job: tuple[Cause, str, int
     )
 
 
+def _saved(frames: Frames, rank: int, step: int, after_ns: int | None) -> bool:
+    """Whether this rank finished writing its checkpoint of `step` (its own fsync ok, after `after_ns`: this
+    incarnation's). A checkpoint's step is the last step whose update it holds, so the rank had completed that step
+    whatever its step rows say: a process that ends abruptly (`os._exit`, SIGKILL) loses its last flush interval of
+    rows, and the row of a step that ends in a save is written after the save."""
+    ck = frames.checkpoints.filter((pl.col("rank") == rank) & (pl.col("step") == step)
+                                   & (pl.col("phase") == str(CheckpointPhase.FSYNC)) & pl.col("ok").fill_null(False))
+    if after_ns is not None:
+        ck = ck.filter(pl.col("end_wall_ns") >= after_ns)
+    return ck.height > 0
+
+
 def _incident(frames: Frames, rank: int, method: str, confidence: float, events: pl.DataFrame,
               errors: pl.DataFrame, blocked: pl.DataFrame, stall: int, block: int, silent: set[int],
               stop: int | None = None) -> Incident:
@@ -770,6 +782,8 @@ def _incident(frames: Frames, rank: int, method: str, confidence: float, events:
     liv = row.row(0, named=True) if row.height else {}
     last_step = liv.get("last_step")
     last_step = int(last_step) if last_step is not None else -1
+    if _saved(frames, rank, last_step + 1, liv.get("last_step_end_wall_ns")):
+        last_step += 1
     step_end = liv.get("last_step_end_wall_ns")
     heartbeat = liv.get("last_heartbeat_wall_ns")
     own = events.filter(pl.col("rank") == rank)

@@ -68,7 +68,8 @@ class StragglerConfig:
     checkpoint_min_share: float = 0.1
     """See `checkpoint_excess`."""
     checkpoint_count: int = 2
-    """Slow checkpoints a rank needs for a CHECKPOINT_IO incident (fewer when the run has fewer checkpoints)."""
+    """Slow checkpoints a rank needs for a CHECKPOINT_IO incident, however few the run made: one slow save is one
+    draw of the storage's noise (a canary run's single save before a fail-stop read 1.8x on one rank)."""
     link_excess: float = 0.25
     """A group's transfer time counts as slow when it exceeds the median of its kind's groups by this share."""
     link_window: int = 5
