@@ -7,6 +7,7 @@ detection and decision the manager recorded, the relaunch and restore as restart
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,9 @@ def test_goodput_counts_the_replayed_steps_as_lost_and_the_restart(recovered: Pa
     for p in ("detection", "decision"):
         assert parts[p]["seconds"] is not None and parts[p]["seconds"] > 0 and not parts[p]["why"], parts[p]
     assert stop["failure_ns"] < stop["detected_ns"] < stop["decided_ns"] < stop["relaunched_ns"], stop
-    assert stop["detected_by"] == "the launcher saw rank 1 of attempt 0 end (exit code 1)", stop
+    # the launcher's earliest exit record of a rank that ended abnormally: the culprit's, or a survivor's whose
+    # collective failed with it when one poll of the launcher saw both end (their order within a poll is arbitrary)
+    assert re.fullmatch(r"the launcher saw rank [01] of attempt 0 end \(exit code 1\)", stop["detected_by"]), stop
     assert parts["detection"]["seconds"] < 1.0  # the launcher polls every 0.1 s
     [rec] = read_recovery_records(recovered)
     assert (rec.detected_wall_ns, rec.decided_wall_ns) == (stop["detected_ns"], stop["decided_ns"])
