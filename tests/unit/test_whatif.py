@@ -191,3 +191,37 @@ def test_a_saves_own_group_is_left_out_of_the_training_program() -> None:
     assert warnings == ["group pg1's 3 collectives left out: 100% of them ran inside checkpoint saves (the save's own "
                         "group, beside training)"]
     assert _without_save_groups(colls, {}, []).height == 6
+
+
+def test_an_async_operation_still_in_flight_is_waited_for_not_worked_for() -> None:
+    """Two replicas issue their data-parallel all-reduce asynchronously (as DDP does its buckets), then a blocking
+    operation of their own, and wait for the all-reduce (DDP: at the end of the backward pass). Rank 1 computes 50
+    before issuing it, rank 0 10: rank 0's all-reduce is still in flight after its own operation and done at 60,
+    when rank 1's arrived. Rank 0 waited for it from its operation's end on: none of that is rank 0's work, so fixing
+    rank 0 saves nothing. Fixing rank 1 (10 to its launch) ends the all-reduce at 20 (launched at 10, 10 to move):
+    rank 0 ends at 30 (its own operation to 25, 5 after), 35 sooner than 65; counted as rank 0's work, the wait
+    would have kept it at 65 and hidden rank 1."""
+    import polars as pl
+
+    from rankwatch.analytics.whatif import Costing
+    from rankwatch.analytics.whatif.build import RankSteps, build_graph
+
+    def rank(r: int, launch: int, own: tuple[int, int]) -> RankSteps:
+        ops = pl.DataFrame({
+            "op": ["all_reduce", "all_reduce"], "group": ["dp", f"solo{r}"], "group_ranks": [[0, 1], [r]],
+            "peer": [None, None], "bytes": [8, 8], "async_op": [True, False],
+            "enter_mono_ns": [launch, own[0]], "exit_mono_ns": [60, own[1]],
+            "enter_wall_ns": [launch, own[0]], "exit_wall_ns": [60, own[1]]},
+            schema_overrides={"peer": pl.Int64})
+        return RankSteps(rank=r, stage=0, host="h", steps=pl.DataFrame(
+            {"step": [0], "start_mono_ns": [0], "end_mono_ns": [65], "checkpoint_ns": [0]}),
+            collectives=ops, data=[], checkpoint=[])
+
+    g = build_graph([rank(0, 10, (20, 25)), rank(1, 50, (52, 55))], {"dp": "dp"})
+    zero = [w for w in g.programs[0] if isinstance(w, Work) and w.kind == "compute"]
+    # to the launch, to its operation, inside it, waiting (none), after
+    assert [g.work_ns[w.id] for w in zero] == [10.0, 10.0, 0.0, 0.0, 5.0]
+    c = Costing(g, stage_of={0: 0, 1: 0}, host_of={0: "h", 1: "h"})
+    zero_fix, one_fix = c.shares([c.rank_spec("rank:0", [0], own=True), c.rank_spec("rank:1", [1], own=True)])
+    assert zero_fix.saved_ns == 0.0
+    assert one_fix.saved_ns == 35.0

@@ -9,8 +9,10 @@ way).
 * A blocking collective is a launch at its enter and a join at its exit, with no work of the rank between.
 * Asynchronous ones issued in a run (DDP's buckets, launched during the backward pass) are joined where the last
   of the run was issued when they were all done by the rank's next point, as the collector counts their exposed
-  wait (`collector.collectives._Step.waits`); one still in flight at the next point is joined at the first point
-  after it was done.
+  wait (`collector.collectives._Step.waits`); one still in flight at the next point is joined where it was done,
+  and the rank waited for it from its point before (within a step: torch waits for DDP's buckets at the end of the
+  backward pass, before the optimizer); counted as its work, a replica's wait for the slow rank of another read as
+  its own slowness. Across a step's end, where it was waited is unknown: the time before is the rank's.
 * The k-th collective a rank issued on a group in the window is the k-th of every member (communicators run in
   issue order), the k-th send from a to b is matched by the k-th receive on b from a, and both complete when both
   were issued and the data moved: gloo's send waits for its receiver to be ready (measured here: a stage's send
@@ -79,6 +81,9 @@ class _Point:
     item: Item | None
     """None: a step's start (splits the time between steps from the step's own)."""
     step: int
+    waited: bool = False
+    """A join the rank was blocked in from its previous point on (an asynchronous run still in flight there, done
+    inside its step): the time before it is the rank's wait, not its work."""
 
 
 _MakeInstance = Callable[[tuple[object, ...], str, str, tuple[int, ...], int, int, bool], int]
@@ -170,7 +175,7 @@ def build_graph(ranks: list[RankSteps], group_kinds: dict[str, str]) -> Graph:
         step = points[0].step
         for p in points:
             if prev_after is not None:
-                a, b = prev_after, max(prev_after, p.before)
+                a, b = prev_after, prev_after if p.waited else max(prev_after, p.before)
                 parts: list[tuple[str, int]]
                 if inside:
                     d = data.overlap(a, b)
@@ -261,8 +266,10 @@ def _program(r: RankSteps, make: _MakeInstance, members: defaultdict[int, list[t
             next_point = end if next_point is None else min(next_point, end)
         if next_point is None or done <= next_point:
             points.append(_Point(last, done, order, Join(ids), step_at(last)))
-        else:  # still in flight at the next point: joined where it was done
-            points.append(_Point(done, done, order, Join(ids), step_at(done)))
+        else:  # still in flight at the next point: joined where it was done, waited for from the point before it
+            # when that was in its step (torch waits for DDP's buckets at the end of the backward pass, before the
+            # optimizer: `Reducer::finalize_backward`); across a step's end, where it was waited is unknown
+            points.append(_Point(done, done, order, Join(ids), step_at(done), waited=end is None or done <= end))
         order += 1
         run.clear()
 
