@@ -127,3 +127,19 @@ def test_impact_round_trips_through_the_incident_files(tmp_path: Path) -> None:
     d["impact"] = {"basis": "whatif", "lost_s": "a lot"}
     with pytest.raises(ValueError, match="lost_s"):
         Incident.from_dict(d)
+
+
+def test_a_cost_is_sure_when_it_is_spread_over_the_window_not_made_of_one_step() -> None:
+    """30 steps of 10. Rank a saves 1 in every step, rank b 30 in one step: both 10 % of the time, 10 % above the
+    typical rank (the median of 4; c and d save nothing). Only a's is a rate: b's is one draw of the machine's noise
+    (a process descheduled once), below the set share in more than 5 % of resamples of the steps."""
+    from rankwatch.analytics.impact import _surely_above
+
+    steps = np.full(30, 10.0)
+    saved = np.zeros((30, 4))
+    saved[:, 0] = 1.0
+    saved[17, 1] = 30.0
+    low = _surely_above(steps, saved)
+    assert low[0] >= CostConfig().min_share > low[1]
+    assert (low == _surely_above(steps, saved)).all()  # seeded: the same steps, the same answer
+    assert _surely_above(steps, np.zeros((30, 0))).shape == (0,)

@@ -8,8 +8,10 @@ work at its peers' pace? `costed` runs after the detectors:
 
 * **Stragglers found by their cost.** A rank whose own work saves at least `CostConfig.min_share` of the replayed
   time more than the typical rank's does, or a host whose ranks together save that much more than the typical
-  host's do (and no single one of them most of it), is a straggler incident whatever the shape of its slowness, with the saving as its evidence; unless an
-  incident of the analysis already names it, or the window is too short to measure a rate (`min_steps`).
+  host's do (and no single one of them most of it), is a straggler incident whatever the shape of its slowness,
+  with the saving as its evidence; when it surely does (the 95 % lower bound over resampled blocks of the window's
+  steps, `_surely_above`: not a step or two of noise), unless an incident of the analysis already names it, or the
+  window is too short to measure a rate (`min_steps`).
   Benign noise costs nothing: with a peer at the median pace, fixing one noisy rank leaves the next-slowest one
   (a few per cent of a 4-rank CPU run's time at most; `benchmarks/whatif_canary.py`).
 * **An impact on every incident** (`incidents.Impact`): for timing incidents (a straggler rank, device, host, link,
@@ -40,6 +42,7 @@ from rankwatch.analytics.whatif import Replayed, Share
 __all__ = ["CostConfig", "costed", "replay_problem"]
 
 _TIMING = frozenset({IncidentClass.STRAGGLER, IncidentClass.IMBALANCE})
+_RESAMPLES = 1000
 _ALL_RANKS = 256
 """Up to this many ranks, every rank's own work is costed (the typical rank's saving is their median); above, the
 most excess ones (`CostConfig.rank_subjects`), whose median is higher: fewer costly ranks, never more."""
@@ -107,27 +110,30 @@ def _by_cost(frames: Frames, incidents: Sequence[Incident], replayed: Replayed,
     ranks = every if len(every) <= _ALL_RANKS else [int(s.subject.split(":")[1]) for s in w.by_rank]
     hosts = sorted({h for h in c.host_of.values()}) if len({*c.host_of.values()}) > 1 else []
     members = {h: sorted(r for r, x in c.host_of.items() if x == h) for h in hosts}
-    found = c.shares([c.rank_spec(f"rank:{r}", [r], own=True) for r in ranks]
-                     + [c.rank_spec(f"host:{h}", members[h], own=True) for h in hosts])
+    found, by_step = c.costs([c.rank_spec(f"rank:{r}", [r], own=True) for r in ranks]
+                             + [c.rank_spec(f"host:{h}", members[h], own=True) for h in hosts])
     by_rank, by_host = found[:len(ranks)], found[len(ranks):]
     # fixing any one rank removes its part of the job's jitter (each step waits for the slowest): a rank is costly
-    # when it saves more than the typical rank does, by the set share (4 CPU ranks on 2 cores: 2-4 % each)
+    # when it saves more than the typical rank does, by the set share (4 CPU ranks on 2 cores: 2-4 % each), and
+    # surely so (`_surely_above`: a cost made of a step or two is one draw of the machine's noise)
     usual = max(0.0, float(np.median([s.saved_share for s in by_rank]))) if by_rank else 0.0
+    sure = _surely_above(by_step.step_ns, by_step.saved_ns[:, :len(ranks)])
     out: list[Incident] = []
-    for rank, share in zip(ranks, by_rank):
-        if share.saved_share - usual < config.min_share or rank in named:
+    for rank, share, low in zip(ranks, by_rank, sure):
+        if share.saved_share - usual < config.min_share or low < config.min_share or rank in named:
             continue
         out.append(_rank_straggler(frames, rank, share, replayed))
         named.add(rank)
     reported = {i.subject.id for i in incidents if i.subject.kind is SubjectKind.HOST}
     best = {r: s.saved_ns for r, s in zip(ranks, by_rank)}
     # fixing any host's ranks removes their share of the job's noise (each step waits for the slowest of them): a
-    # host is costly when it saves more than the typical host does, by the set share
+    # host is costly when it saves more than the typical host does, by the set share, and surely so
     typical = float(np.median([s.saved_share for s in by_host])) if by_host else 0.0
-    for host, share in zip(hosts, by_host):
+    sure = _surely_above(by_step.step_ns, by_step.saved_ns[:, len(ranks):])
+    for host, share, low in zip(hosts, by_host, sure):
         mine = members[host]
-        if (share.saved_share - max(0.0, typical) < config.min_share or host in reported or set(mine) <= named
-                or max((best.get(r, 0.0) for r in mine), default=0.0) >= 0.5 * share.saved_ns):
+        if (share.saved_share - max(0.0, typical) < config.min_share or low < config.min_share or host in reported
+                or set(mine) <= named or max((best.get(r, 0.0) for r in mine), default=0.0) >= 0.5 * share.saved_ns):
             continue
         out.append(Incident(
             klass=IncidentClass.STRAGGLER, subject=Subject(kind=SubjectKind.HOST, id=host), ranks=tuple(mine),
@@ -138,6 +144,26 @@ def _by_cost(frames: Frames, incidents: Sequence[Incident], replayed: Replayed,
                      "them alone most of it)"),
             evidence=(_share_evidence(sorted(by_host, key=lambda s: -s.saved_ns), "hosts' own work"),)))
     return out
+
+
+def _surely_above(step_ns: np.ndarray, saved_ns: np.ndarray) -> np.ndarray:
+    """For each subject (a column of `saved_ns`, what fixing it saved in each step), the one-sided 95 % lower bound
+    of its share of the step time above the typical (median) subject's: a circular block bootstrap over the
+    window's steps (Politis and Romano, 1992; blocks of about S^(1/3) steps keep the steps' correlation: a rank's late
+    work shows in the next step), both measured on the same resampled steps. At least `CostConfig.min_share`: the
+    subject surely costs that much more than the typical one, over the window, not in a step or two (a process
+    descheduled twice on a busy machine: one draw of its noise), which a ratio of sums cannot tell apart. Seeded:
+    the same run, the same answer."""
+    steps, subjects = saved_ns.shape
+    if subjects == 0 or steps == 0:
+        return np.zeros(subjects)
+    block = max(1, round(steps ** (1 / 3)))
+    starts = np.random.default_rng(0).integers(0, steps, size=(_RESAMPLES, -(-steps // block)))
+    rows = ((starts[:, :, None] + np.arange(block)) % steps).reshape(_RESAMPLES, -1)[:, :steps]
+    counts = np.zeros((_RESAMPLES, steps))
+    np.add.at(counts, (np.repeat(np.arange(_RESAMPLES), steps), rows.ravel()), 1.0)
+    share = (counts @ saved_ns) / np.maximum(counts @ step_ns, 1.0)[:, None]
+    return np.quantile(share - np.median(share, axis=1, keepdims=True), 0.05, axis=0)
 
 
 def _confidence(share: float) -> float:

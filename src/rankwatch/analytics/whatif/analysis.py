@@ -32,7 +32,7 @@ import numpy as np
 
 from rankwatch.analytics.whatif.graph import Graph, Instance, Schedule, Work
 
-__all__ = ["Costing", "Share", "WhatIf", "analyze_graph"]
+__all__ = ["Costing", "Share", "StepSavings", "WhatIf", "analyze_graph"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -133,6 +133,23 @@ class WhatIf:
 
 
 _Spec = tuple[str, np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class StepSavings:
+    """What making each of some subjects ideal saved, step by step over the window: summed over the steps, a
+    subject's `Share.saved_ns` (what a step saves may show in the next: a rank's work overlaps its step's end)."""
+
+    steps: tuple[int, ...]
+    step_ns: np.ndarray
+    """(S,) each step's replayed duration as measured."""
+    saved_ns: np.ndarray
+    """(S, K) what making subject k ideal saved in each step."""
+
+
+def _durations(ends: np.ndarray) -> np.ndarray:
+    """Per step, its end less the previous step's end (the first: less 0): (S, K) ends to (S, K) durations."""
+    return np.diff(ends, axis=0, prepend=np.zeros((1, ends.shape[1]))) if len(ends) else ends
 """(subject, which work items are its (bool per item), the part of each instance's excess that is (0..1))."""
 _BATCH = 64
 """Duration sets replayed together (memory: work items x this many floats)."""
@@ -167,31 +184,46 @@ class Costing:
         self.actual_ns, self.ideal_ns = float(span[0]), float(span[1])
         self.step_end_ns = {s: float(v[0]) for s, v in steps.items()}
         """When each step ended in the replay as measured."""
+        self.steps = tuple(sorted(steps))
+        self.step_ns = _durations(np.array([[steps[s][0]] for s in self.steps]).reshape(len(self.steps), 1))[:, 0]
+        """Each step's replayed duration as measured (its end less the previous step's end), in `steps` order."""
 
     def makespans(self, durations: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         """The replayed makespan of each (work, transfer) duration set, `_BATCH` at a time."""
+        return self._replay(durations)[0]
+
+    def _replay(self, durations: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[list[float], np.ndarray]:
+        """Each duration set's makespan and its steps' ends ((steps, sets), the steps in `steps` order)."""
         out: list[float] = []
+        ends: list[np.ndarray] = []
         for lo in range(0, len(durations), _BATCH):
             chunk = durations[lo: lo + _BATCH]
-            t, _ = self.schedule.evaluate(np.stack([w for w, _ in chunk], axis=1),
-                                          np.stack([x for _, x in chunk], axis=1))
+            t, steps = self.schedule.evaluate(np.stack([w for w, _ in chunk], axis=1),
+                                              np.stack([x for _, x in chunk], axis=1))
             out.extend(float(v) for v in (t.max(axis=0) if len(t) else np.zeros(len(chunk))))
-        return out
+            ends.append(np.stack([steps[s] for s in self.steps]) if self.steps
+                        else np.zeros((0, len(chunk))))
+        return out, (np.concatenate(ends, axis=1) if ends else np.zeros((len(self.steps), 0)))
 
     def shares(self, specs: Sequence[_Spec]) -> list[Share]:
         """Each subject's `Share`: the replay with only it as measured, and with only it made ideal."""
+        return self.costs(specs)[0]
+
+    def costs(self, specs: Sequence[_Spec]) -> tuple[list[Share], StepSavings]:
+        """`shares`, and what making each subject ideal saved step by step (`StepSavings`), from the same replays."""
         sets: list[tuple[np.ndarray, np.ndarray]] = []
         for _, work, transfer in specs:
             sets.append((np.where(work, self.actual_w, self.ideal_w), self.ideal_t + transfer * self.delta_t))
             sets.append((np.where(work, self.ideal_w, self.actual_w), self.actual_t - transfer * self.delta_t))
-        spans = self.makespans(sets)
+        spans, ends = self._replay(sets)
         out = []
         for n, (subject, _, _) in enumerate(specs):
             alone, fixed = spans[2 * n], spans[2 * n + 1]
             saved = self.actual_ns - fixed
             out.append(Share(subject=subject, slowdown=alone / self.ideal_ns if self.ideal_ns > 0 else 1.0,
                              saved_ns=saved, saved_share=saved / self.actual_ns if self.actual_ns > 0 else 0.0))
-        return out
+        fixed_ns = _durations(ends[:, 1::2])
+        return out, StepSavings(steps=self.steps, step_ns=self.step_ns, saved_ns=self.step_ns[:, None] - fixed_ns)
 
     def share(self, subject: str, work: np.ndarray, transfer: np.ndarray) -> Share:
         return self.shares([(subject, work, transfer)])[0]
