@@ -80,11 +80,6 @@ def test_slow_link_is_blamed_on_the_link(tmp_path: Path) -> None:
     assert (inc.subject.kind, inc.subject.id, inc.cause) == (SubjectKind.LINK, "host0<->host1", Cause.SLOW_LINK)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known regression since the canary saves through recovery.Checkpointer (f62a4ae): the rank ends abruptly at the "
-    "start of step 40, right after its step-39 save, and the rows it had not flushed (the step-39 row, the save's "
-    "all_gather_object exit, sometimes its fsync phase) are lost, so the onset reads 39 or the rank reads as stuck in "
-    "the save's gather (a hang); to fix first in the next stop (issue 32's closing note)"))
 @pytest.mark.parametrize(("how", "cause"), [("exit", Cause.EXIT), ("kill", Cause.VANISHED)])
 def test_fail_stop_finds_the_rank_that_stopped(tmp_path: Path, how: str, cause: Cause) -> None:
     faults = Faults().exit(rank=3, step=40) if how == "exit" else Faults().kill(rank=3, step=40)

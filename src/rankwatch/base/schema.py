@@ -799,9 +799,9 @@ class LiveState(StrEnum):
 
 
 class LiveField(StrEnum):
-    """Fields of the record in ``<run>/live/rank-<r>.live`` (framed as `LIVE_HEADER_BYTES` says). Written by the
-    rank's liveness thread (collector/liveness.py) at least twice per heartbeat interval and within
-    `CollectorConfig.liveness_poll_s` of each completed step. Times are `time.time_ns()`."""
+    """Fields of the record in ``<run>/live/rank-<r>.live`` (framed as `LIVE_HEADER_BYTES` says). Written at the
+    end of each completed step (by the training thread) and by the rank's liveness thread (collector/liveness.py) at
+    least twice per heartbeat interval. Times are `time.time_ns()`."""
 
     VERSION = "version"
     RANK = "rank"

@@ -121,9 +121,8 @@ class CollectorConfig:
     (collector/liveness.py; fields `schema.LiveField`): a monitor tells a dead rank from a stuck one within a heartbeat
     interval instead of a part-file interval. Each write is one in-place `pwrite` of under 1 KiB."""
     liveness_poll_s: float = 0.05
-    """Seconds between the liveness thread's looks at the last completed step: the record says a step completed at
-    most this long after it did (one write per look at most; at least two per heartbeat interval while no step
-    completes)."""
+    """Seconds between the liveness thread's looks at the rank's progress (at least two writes per heartbeat interval
+    while no step completes; a completed step is written at its end by the training thread, `LivenessWriter.stepped`)."""
     count_collectives: bool = False
     """At close (or before the process groups are destroyed), record torch's own per-group count of the collectives
     issued while recording (the Flight Recorder's, when it is on: `flight`), for `analytics.coverage` to check the
@@ -585,6 +584,9 @@ class Collector:
         self._last_step = record.step
         if not failed:
             self._last_done = record
+            live = self._live
+            if live is not None:
+                live.stepped()  # never raises
         try:
             record.failed = failed
             loss = record.loss
