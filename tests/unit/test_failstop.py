@@ -360,3 +360,19 @@ def test_what_follows_the_launchers_stop_of_every_rank_is_its_consequence_not_ev
     # a rank that ended without the launcher's signal is what the launcher reacted to: no launcher's stop
     frames = Frames.build(**_manager_stops_a_hang(30.0), exits=_stopped_by_launcher(30.0, killed=1))
     assert "1" in {i.subject.id for i in detect_failstops(frames)}
+
+
+def test_a_rank_that_exits_inside_a_collective_its_group_entered_is_the_fail_stop_not_its_waiting_peers() -> None:
+    """Rank 2 exits (code 1) inside the step-10 all-reduce on dp0, which rank 0 entered too: rank 0 waits there
+    for it until it times out (60 s), as do the others, behind it. Rank 2 waited for nobody (every member of dp0
+    was inside): its exit is how the job failed, not a reaction, though it was blocked when it came."""
+    opened = pl.DataFrame([_coll(2, "dp0", 20, 10.05)])
+    errors = pl.DataFrame([_coll(0, "dp0", 20, 70.0), _coll(1, "tp0", 40, 70.0), _coll(3, "tp1", 40, 70.0)])
+    events = [_ev(2, "exit", 10.1, exit_code=1)]
+    events += [_ev(r, "exception", 70.01, exc_type="DistBackendError", message="Timed out") for r in (0, 1, 3)]
+    frames = Frames.build(
+        steps=_steps(LAST), liveness=_liveness(LAST, {0: 70.02, 1: 70.02, 2: 10.1, 3: 70.02}),
+        open_collectives=opened, collective_errors=errors, events=pl.DataFrame(events), end_wall_ns=71 * S,
+    )
+    (inc,) = detect_failstops(frames)
+    assert (inc.klass, inc.subject.id, inc.cause, inc.onset_step) == (IncidentClass.FAIL_STOP, "2", Cause.EXIT, 10)

@@ -476,14 +476,16 @@ def _by_events(frames: Frames, live: pl.DataFrame, abnormal: pl.DataFrame, error
                config: FailStopConfig) -> set[int]:
     """Ranks whose own abnormal terminal event came first: from a rank neither reacting (`_reacting`: a failed
     collective of its own, a peer named in its errors, a survivor's text for a peer gone, a SIGTERM after another
-    rank had failed) nor already blocked in a collective when it happened, about no later than the first reaction
+    rank had failed) nor already waiting for a peer in a collective when it happened (`_waiting`: one inside a
+    collective every member entered waits for nobody; it ends there on its own, as a rank that exits or is killed
+    mid-operation does, and its peers are the ones left waiting), about no later than the first reaction
     (within a heartbeat: host clocks differ), after no other rank had gone silent (`silent`: then it is a reaction to
     that one, whatever it says), and not part of a job-wide stop (`_stop_ranks`)."""
     reacting = _reacting(abnormal, errors, named, live, silent)
     own = abnormal.filter(~pl.col("rank").is_in(list(reacting)))
     if own.height == 0:
         return set()
-    first_block = blocked.group_by("rank").agg(pl.col("wall_ns").min().alias("_blocked"))
+    first_block = _waiting(blocked).group_by("rank").agg(pl.col("wall_ns").min().alias("_blocked"))
     own = own.join(first_block, on="rank", how="left").filter(
         pl.col("_blocked").is_null() | (pl.col("wall_ns") < pl.col("_blocked"))
     )
@@ -506,6 +508,19 @@ def _by_events(frames: Frames, live: pl.DataFrame, abnormal: pl.DataFrame, error
     if 2 * len(_stop_ranks(own, live, ended, frames, config)) > world:
         return set()
     return set(int(r) for r in cluster["rank"])
+
+
+def _waiting(blocked: pl.DataFrame) -> pl.DataFrame:
+    """The rows of `blocked` where the rank waits for a peer: an operation that ended in an error, a point-to-point
+    one, or a collective some member of which never entered the same operation (group, group_seq; open or ended in
+    an error there; its members unknown: some may be missing). A rank whose every fellow member is inside it with
+    it waits for none of them."""
+    coll = blocked.filter(~pl.col("op").is_in(_P2P_OPS) & pl.col("peer").is_null() & pl.col("group_ranks").is_not_null())
+    inside = coll.group_by("group", "group_seq").agg(pl.col("rank").unique().alias("_in"))  # open, or ended in error
+    full = coll.filter(pl.col("state") == "open").join(inside, on=["group", "group_seq"]).filter(
+        pl.col("group_ranks").cast(pl.List(pl.Int64)).list.set_difference(pl.col("_in").cast(pl.List(pl.Int64)))
+        .list.len() == 0)
+    return blocked.join(full.select("rank", "group", "group_seq"), on=["rank", "group", "group_seq"], how="anti")
 
 
 def _reacting(abnormal: pl.DataFrame, errors: pl.DataFrame, named: pl.DataFrame, live: pl.DataFrame,
