@@ -38,6 +38,7 @@ from rankwatch.analytics.incidents import (
     Cause, Evidence, Impact, ImpactBasis, Incident, IncidentClass, Subject, SubjectKind, sort_incidents,
 )
 from rankwatch.analytics.whatif import Replayed, Share
+from rankwatch.analytics.whatif.analysis import Spec
 
 __all__ = ["CostConfig", "costed", "replay_problem"]
 
@@ -83,7 +84,7 @@ def costed(frames: Frames, incidents: Sequence[Incident], replayed: Replayed | N
         note = why_not or "the window was not replayed"
         return sort_incidents(i if i.impact is not None else replace(i, impact=_unmeasured(i, note)) for i in incidents)
     found = [*incidents, *_by_cost(frames, incidents, replayed, config)]
-    return sort_incidents(replace(i, impact=_impact(frames, i, replayed)) for i in found)
+    return sort_incidents(replace(i, impact=m) for i, m in zip(found, _impacts(frames, found, replayed), strict=True))
 
 
 def _unmeasured(incident: Incident, note: str) -> Impact:
@@ -220,33 +221,56 @@ def _share_evidence(shares: Sequence[Share], what: str) -> Evidence:
                                for s in shares[:8]))
 
 
-def _impact(frames: Frames, incident: Incident, replayed: Replayed) -> Impact:
-    if incident.klass not in _TIMING:
-        return Impact(basis=ImpactBasis.UNMEASURED, note=f"a {incident.klass} {_RECOVERY}")
+def _impacts(frames: Frames, incidents: Sequence[Incident], replayed: Replayed) -> list[Impact]:
+    """Each incident's impact; the subjects a replay measures are replayed together (`Costing.costs`), and what
+    fixing one saves is summed over its span's steps (from its onset: what fixing it saves before is the window's
+    jitter, not its cost)."""
     w, c = replayed.whatif, replayed.costing
-    first = w.first_step if incident.onset_step is None else max(incident.onset_step, w.first_step)
-    if first > w.last_step:
-        return Impact(basis=ImpactBasis.UNMEASURED,
-                      note=f"began at step {incident.onset_step}, after the replayed steps {w.first_step}..{w.last_step}")
-    kind = incident.subject.kind
-    if incident.cause is Cause.DATA_SKEW or (kind is SubjectKind.JOB and incident.klass is IncidentClass.IMBALANCE):
-        share = c.own_work("job")
-    elif kind is SubjectKind.STAGE and w.stage_partition is not None and incident.klass is IncidentClass.IMBALANCE:
-        share = w.stage_partition
-    elif kind is SubjectKind.LINK:
-        links = {x.strip() for x in incident.subject.id.split("|")}
-        groups = {str(g["group"]) for g in frames.groups.iter_rows(named=True) if links & set(g["links"] or [])}
-        if not groups:
-            return Impact(basis=ImpactBasis.UNMEASURED, note=f"no group of the run crosses {incident.subject.id}")
-        share = c.groups(str(incident.subject), groups)
-    else:
-        ranks = [r for r in incident.ranks if r in c.graph.programs]
-        if not ranks:
-            return Impact(basis=ImpactBasis.UNMEASURED,
-                          note=f"ranks {list(incident.ranks)} have no steps in the replayed window")
-        share = c.ranks(str(incident.subject), ranks)
-    span = c.span_ns(first, w.last_step)
-    lost = max(0.0, share.saved_ns)
+    out: list[Impact | None] = []
+    specs: list[tuple[int, Spec, int]] = []  # (incident's index, what to fix, first step)
+    for n, incident in enumerate(incidents):
+        out.append(None)
+        if incident.klass not in _TIMING:
+            out[n] = Impact(basis=ImpactBasis.UNMEASURED, note=f"a {incident.klass} {_RECOVERY}")
+            continue
+        first = w.first_step if incident.onset_step is None else max(incident.onset_step, w.first_step)
+        if first > w.last_step:
+            out[n] = Impact(basis=ImpactBasis.UNMEASURED, note=(
+                f"began at step {incident.onset_step}, after the replayed steps {w.first_step}..{w.last_step}"))
+            continue
+        kind = incident.subject.kind
+        if incident.cause is Cause.DATA_SKEW or (kind is SubjectKind.JOB and incident.klass is IncidentClass.IMBALANCE):
+            specs.append((n, c.own_spec("job"), first))
+        elif kind is SubjectKind.STAGE and w.stage_partition is not None and incident.klass is IncidentClass.IMBALANCE:
+            # a re-partitioning what-if over the whole window (`analysis._stage_partition`): no step of its own
+            out[n] = _measured(incident, w.stage_partition, w.stage_partition.saved_ns, first, replayed)
+        elif kind is SubjectKind.LINK:
+            links = {x.strip() for x in incident.subject.id.split("|")}
+            groups = {str(g["group"]) for g in frames.groups.iter_rows(named=True) if links & set(g["links"] or [])}
+            if not groups:
+                out[n] = Impact(basis=ImpactBasis.UNMEASURED, note=f"no group of the run crosses {incident.subject.id}")
+                continue
+            specs.append((n, c.group_spec(str(incident.subject), groups), first))
+        else:
+            ranks = [r for r in incident.ranks if r in c.graph.programs]
+            if not ranks:
+                out[n] = Impact(basis=ImpactBasis.UNMEASURED,
+                                note=f"ranks {list(incident.ranks)} have no steps in the replayed window")
+                continue
+            specs.append((n, c.rank_spec(str(incident.subject), ranks), first))
+    if specs:
+        shares, by_step = c.costs([spec for _, spec, _ in specs])
+        steps = np.array(by_step.steps)
+        for k, ((n, _, first), share) in enumerate(zip(specs, shares)):
+            lost = float(by_step.saved_ns[steps >= first, k].sum())
+            out[n] = _measured(incidents[n], share, lost, first, replayed)
+    return [x for x in out if x is not None]
+
+
+def _measured(incident: Incident, share: Share, lost_ns: float, first: int, replayed: Replayed) -> Impact:
+    w = replayed.whatif
+    span = replayed.costing.span_ns(first, w.last_step)
+    lost = max(0.0, lost_ns)
     note = "" if incident.onset_step is None or incident.onset_step >= w.first_step else (
         f"began at step {incident.onset_step}, before the replayed steps: measured from step {w.first_step}")
     return Impact(basis=ImpactBasis.WHATIF, lost_s=lost / 1e9, gpu_hours=lost / 1e9 * w.ranks / 3600.0,

@@ -32,7 +32,7 @@ import numpy as np
 
 from rankwatch.analytics.whatif.graph import Graph, Instance, Schedule, Work
 
-__all__ = ["Costing", "Share", "StepSavings", "WhatIf", "analyze_graph"]
+__all__ = ["Costing", "Share", "Spec", "StepSavings", "WhatIf", "analyze_graph"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,7 +132,9 @@ class WhatIf:
         }
 
 
-_Spec = tuple[str, np.ndarray, np.ndarray]
+Spec = tuple[str, np.ndarray, np.ndarray]
+"""A subject to cost: its name, which work items it fixes (bool per work item), and what share of each transfer's
+excess (0..1 per instance)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,11 +207,11 @@ class Costing:
                         else np.zeros((0, len(chunk))))
         return out, (np.concatenate(ends, axis=1) if ends else np.zeros((len(self.steps), 0)))
 
-    def shares(self, specs: Sequence[_Spec]) -> list[Share]:
+    def shares(self, specs: Sequence[Spec]) -> list[Share]:
         """Each subject's `Share`: the replay with only it as measured, and with only it made ideal."""
         return self.costs(specs)[0]
 
-    def costs(self, specs: Sequence[_Spec]) -> tuple[list[Share], StepSavings]:
+    def costs(self, specs: Sequence[Spec]) -> tuple[list[Share], StepSavings]:
         """`shares`, and what making each subject ideal saved step by step (`StepSavings`), from the same replays."""
         sets: list[tuple[np.ndarray, np.ndarray]] = []
         for _, work, transfer in specs:
@@ -228,7 +230,7 @@ class Costing:
     def share(self, subject: str, work: np.ndarray, transfer: np.ndarray) -> Share:
         return self.shares([(subject, work, transfer)])[0]
 
-    def rank_spec(self, subject: str, ranks: Collection[int], *, own: bool = False) -> _Spec:
+    def rank_spec(self, subject: str, ranks: Collection[int], *, own: bool = False) -> Spec:
         """Every work item of these ranks (`own`: only their own work, `_OWN_KINDS`, no checkpoint or time between
         steps), and their part of transfers on one host (`_charges`)."""
         t = np.zeros(len(self.actual_t))
@@ -238,20 +240,15 @@ class Costing:
         work = np.isin(self.owner, list(ranks))
         return subject, work & self.own if own else work, np.minimum(t, 1.0)
 
-    def group_spec(self, subject: str, groups: Collection[str]) -> _Spec:
+    def group_spec(self, subject: str, groups: Collection[str]) -> Spec:
         """Every transfer over these groups."""
         t = np.array([1.0 if i.group in groups else 0.0 for i in self.graph.instances])
         return subject, np.zeros(len(self.actual_w), bool), t
 
-    def ranks(self, subject: str, ranks: Collection[int]) -> Share:
-        return self.share(*self.rank_spec(subject, ranks))
-
-    def groups(self, subject: str, groups: Collection[str]) -> Share:
-        return self.share(*self.group_spec(subject, groups))
-
-    def own_work(self, subject: str) -> Share:
+    def own_spec(self, subject: str) -> Spec:
         """Every rank's own work (compute, dataloader waits, lateness to see a collective done) at once."""
-        return self.share(subject, self.own, np.zeros(len(self.actual_t)))
+        return subject, self.own, np.zeros(len(self.actual_t))
+
 
     def excess_order(self) -> list[int]:
         """The ranks, the most excess (own, and charged transfers) first."""
@@ -279,7 +276,7 @@ def analyze_graph(graph: Graph, *, stage_of: Mapping[int, int], measured_ns: flo
     c = costing if costing is not None else Costing(graph, stage_of=stage_of, host_of=host_of)
     no_w = np.zeros(len(c.actual_w), bool)
     no_t = np.zeros(len(c.actual_t))
-    specs: dict[str, list[_Spec]] = {"rank": [], "stage": [], "host": [], "kind": [], "op": [], "group": []}
+    specs: dict[str, list[Spec]] = {"rank": [], "stage": [], "host": [], "kind": [], "op": [], "group": []}
 
     def by(what: str, items: Sequence[Work] | Sequence[Instance], name: Callable[[Any], str], is_work: bool) -> None:
         groups: dict[str, list[int]] = {}
