@@ -387,6 +387,25 @@ def test_the_collector_keeps_its_record_current_and_says_how_it_ended(tmp_path: 
     assert _read(tmp_path, 1).seq == seq  # nothing is written after close
 
 
+@pytest.mark.timeout(30)
+def test_a_completed_step_is_in_the_record_when_the_step_ends_not_a_poll_later(tmp_path: Path) -> None:
+    """The training thread writes the record at each step's end: a process killed at the next step's start has
+    said it completed this one (its liveness thread looks only every `liveness_poll_s`, here an hour)."""
+    config = CollectorConfig(run_dir=tmp_path, heartbeat_interval_s=7200.0, liveness_poll_s=3600.0,
+                             handle_sigterm=False)
+    c = Collector(config, rank=0, world_size=1, host="host0", sink=MemorySink())
+    c.start()
+    try:
+        for i in range(3):
+            with c.step(i):
+                pass
+            record = _read(tmp_path, 0)
+            assert (record.last_step, record.step) == (i, None)
+            assert record.last_step_wall_ns is not None and record.last_step_wall_ns <= time.time_ns()
+    finally:
+        c.close(exit_code=0)
+
+
 def test_a_collector_that_cannot_write_its_record_counts_it_and_goes_on(tmp_path: Path) -> None:
     (tmp_path / "live").write_text("a file where the folder should be")
     c = Collector(CollectorConfig(run_dir=tmp_path, handle_sigterm=False, liveness_poll_s=0.01), rank=0, world_size=1,
