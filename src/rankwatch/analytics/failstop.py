@@ -515,7 +515,8 @@ def _waiting(blocked: pl.DataFrame) -> pl.DataFrame:
     one, or a collective some member of which never entered the same operation (group, group_seq; open or ended in
     an error there; its members unknown: some may be missing). A rank whose every fellow member is inside it with
     it waits for none of them."""
-    coll = blocked.filter(~pl.col("op").is_in(_P2P_OPS) & pl.col("peer").is_null() & pl.col("group_ranks").is_not_null())
+    coll = blocked.filter(~pl.col("op").is_in(_P2P_OPS) & pl.col("peer").is_null()
+                          & pl.col("group_ranks").is_not_null())
     inside = coll.group_by("group", "group_seq").agg(pl.col("rank").unique().alias("_in"))  # open, or ended in error
     full = coll.filter(pl.col("state") == "open").join(inside, on=["group", "group_seq"]).filter(
         pl.col("group_ranks").cast(pl.List(pl.Int64)).list.set_difference(pl.col("_in").cast(pl.List(pl.Int64)))

@@ -226,10 +226,9 @@ def _impacts(frames: Frames, incidents: Sequence[Incident], replayed: Replayed) 
     fixing one saves is summed over its span's steps (from its onset: what fixing it saves before is the window's
     jitter, not its cost)."""
     w, c = replayed.whatif, replayed.costing
-    out: list[Impact | None] = []
+    out: list[Impact | None] = [None] * len(incidents)
     specs: list[tuple[int, Spec, int]] = []  # (incident's index, what to fix, first step)
     for n, incident in enumerate(incidents):
-        out.append(None)
         if incident.klass not in _TIMING:
             out[n] = Impact(basis=ImpactBasis.UNMEASURED, note=f"a {incident.klass} {_RECOVERY}")
             continue

@@ -122,7 +122,8 @@ class CollectorConfig:
     interval instead of a part-file interval. Each write is one in-place `pwrite` of under 1 KiB."""
     liveness_poll_s: float = 0.05
     """Seconds between the liveness thread's looks at the rank's progress (at least two writes per heartbeat interval
-    while no step completes; a completed step is written at its end by the training thread, `LivenessWriter.stepped`)."""
+    while no step completes; a completed step is written at its end by the training thread,
+    `LivenessWriter.stepped`)."""
     count_collectives: bool = False
     """At close (or before the process groups are destroyed), record torch's own per-group count of the collectives
     issued while recording (the Flight Recorder's, when it is on: `flight`), for `analytics.coverage` to check the

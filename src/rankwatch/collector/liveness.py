@@ -2,11 +2,11 @@
 
 Part files land every `flush_interval_s` (seconds); a monitor that waits for them learns of a dead rank seconds
 late. Each rank's collector therefore also keeps ``<run>/live/rank-<r>.live`` (fields: `schema.LiveField`) current:
-written at every completed step's end (`stepped`, on the training thread) and from a thread of its own at least
-every `beat_s` (half a heartbeat interval), also while training is stuck. A monitor reads these files (analytics/liveness/): a record that
-stops changing is a rank whose process is gone or frozen, a record that keeps changing without step progress is a rank
-that is alive but stuck, and where it is stuck is in the record. The launcher writes ``exit-<r>.json`` when a rank's
-process ends (`write_exit_record`).
+written at every completed step's end (`stepped`, on the training thread) and from a thread of its own at least every
+`beat_s` (half a heartbeat interval), also while training is stuck. A monitor reads these files (analytics/liveness/): a
+record that stops changing is a rank whose process is gone or frozen, a record that keeps changing without step progress
+is a rank that is alive but stuck, and where it is stuck is in the record. The launcher writes ``exit-<r>.json`` when a
+rank's process ends (`write_exit_record`).
 
 A rank record is one frame (`schema.LIVE_HEADER_BYTES`: CRC-32 and length, then the JSON body, then padding) written
 with one `pwrite` at offset 0 of a file kept open: a few microseconds, where a write to a temporary name renamed over
@@ -113,9 +113,9 @@ class LivenessWriter:
 
     def stepped(self) -> None:
         """Write the record now, at a step's end, on the training thread (one snapshot, JSON and `pwrite`: 18 us of CPU
-        measured on this 2-core machine; the step's own collector cost is ~3 us): a process that ends right after a step (`os._exit`,
-        SIGKILL at the next step's start) leaves a record that says it completed that step, where the thread's next
-        look (`poll_s` later) would never come. The thread does not write this progress again."""
+        measured on this 2-core machine; the step's own collector cost is ~3 us): a process that ends right after a step
+        (`os._exit`, SIGKILL at the next step's start) leaves a record that says it completed that step, where the
+        thread's next look (`poll_s` later) would never come. The thread does not write this progress again."""
         if self.write():
             self._token = self._progress()
 

@@ -1,10 +1,11 @@
 """Liveness in seconds: every rank of the current attempt classified from ``<run>/live/``, and the fail-stop and hang
 incidents that follow, without waiting for part files.
 
-Two channels feed it (docs/liveness.md): each rank's collector rewrites ``rank-<r>.live`` at the end of every
-completed step and at least twice per heartbeat interval, from a thread that runs while training is stuck (`collector.liveness`); the launcher's side of each host writes ``exit-<r>.json`` the
-moment a rank's process ends. Records carry the rank's attempt; those of an earlier attempt say nothing of the current
-one (a relaunch starts a new attempt, and its ranks are PENDING until they write).
+Two channels feed it (docs/liveness.md): each rank's collector rewrites ``rank-<r>.live`` at the end of every completed
+step and at least twice per heartbeat interval, from a thread that runs while training is stuck (`collector.liveness`);
+the launcher's side of each host writes ``exit-<r>.json`` the moment a rank's process ends. Records carry the rank's
+attempt; those of an earlier attempt say nothing of the current one (a relaunch starts a new attempt, and its ranks are
+PENDING until they write).
 
 A rank is (`RankState`):
 
@@ -47,10 +48,10 @@ Incidents (`classify`), in analytics' vocabulary (`analytics.incidents`):
 Onset steps are counted as `analytics.failstop` counts them (the culprit's last completed step + 1; for the job, the
 newest last step + 1). Ids are the same at every poll for the same fault (`_live_id`: class, subject, attempt, onset,
 ranks, each fixed once the incident holds) and clearly distinct from the part-file detectors' (``<class>-live-...``):
-the part-file reading of the same fault cannot be relied on to reach the same onset (the victim's last rows may be
-lost with it, and failstop then takes the step its peers wait in, or the record's), so equal ids would hold only by
-luck. `same_fault` says when a part-file incident is the
-fault a liveness incident already named. Evidence and summaries say they come from liveness.
+the part-file reading of the same fault cannot be relied on to reach the same onset (the victim's last rows may be lost
+with it, and failstop then takes the step its peers wait in, or the record's), so equal ids would hold only by luck.
+`same_fault` says when a part-file incident is the fault a liveness incident already named. Evidence and summaries say
+they come from liveness.
 `LivenessMonitor.poll` also says which incidents of the previous poll are gone (`LivenessView.resolved`), and which of
 those were wrong (`LivenessView.withdrawn`: a fail-stop of the current attempt no longer seen — a rank that stopped does
 not come back, so a later reading contradicted it).

@@ -1,8 +1,9 @@
 """The liveness records in a post-mortem: the last word of each rank's collector, beside its part files.
 
 A rank's rows reach its part files every `CollectorConfig.flush_interval_s` (5 s by default); its liveness record
-(``<run>/live/rank-<r>.live``) at the end of every completed step and at least twice per heartbeat interval. A process that ends without closing its collector (SIGKILL, the OOM killer, a lost host) takes the
-rows of its last few seconds with it, but not its record: the record says exactly how far it got (its last completed
+(``<run>/live/rank-<r>.live``) at the end of every completed step and at least twice per heartbeat interval. A
+process that ends without closing its collector (SIGKILL, the OOM killer, a lost host) takes the rows of its last few
+seconds with it, but not its record: the record says exactly how far it got (its last completed
 step and when) and when it was last alive. `merge_records` takes that into the run's liveness frame, and says the loss
 exactly: which steps the rank trained whose rows were never written.
 """

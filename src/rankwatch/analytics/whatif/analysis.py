@@ -152,7 +152,8 @@ class StepSavings:
 def _durations(ends: np.ndarray) -> np.ndarray:
     """Per step, its end less the previous step's end (the first: less 0): (S, K) ends to (S, K) durations."""
     return np.diff(ends, axis=0, prepend=np.zeros((1, ends.shape[1]))) if len(ends) else ends
-"""(subject, which work items are its (bool per item), the part of each instance's excess that is (0..1))."""
+
+
 _BATCH = 64
 """Duration sets replayed together (memory: work items x this many floats)."""
 
@@ -187,7 +188,7 @@ class Costing:
         self.step_end_ns = {s: float(v[0]) for s, v in steps.items()}
         """When each step ended in the replay as measured."""
         self.steps = tuple(sorted(steps))
-        self.step_ns = _durations(np.array([[steps[s][0]] for s in self.steps]).reshape(len(self.steps), 1))[:, 0]
+        self.step_ns = np.diff(np.array([steps[s][0] for s in self.steps], dtype=float), prepend=0.0)
         """Each step's replayed duration as measured (its end less the previous step's end), in `steps` order."""
 
     def makespans(self, durations: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
@@ -248,7 +249,6 @@ class Costing:
     def own_spec(self, subject: str) -> Spec:
         """Every rank's own work (compute, dataloader waits, lateness to see a collective done) at once."""
         return subject, self.own, np.zeros(len(self.actual_t))
-
 
     def excess_order(self) -> list[int]:
         """The ranks, the most excess (own, and charged transfers) first."""
