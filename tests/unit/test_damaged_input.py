@@ -253,8 +253,9 @@ DAMAGES = (
     Damage("telemetry folder without tables", lambda r: [shutil.rmtree(p) for p in (r / TELEMETRY_DIR).iterdir()],
            "no telemetry part files", "telemetry", levels={"watch": WARNING},
            problems={"watch": "no telemetry part file read yet"}),
+    # a live monitor may be started beside a job whose ranks have not flushed yet: it waits for them, and says so
     Damage("no telemetry folder", lambda r: shutil.rmtree(r / TELEMETRY_DIR), "no telemetry/ folder", "",
-           levels=_NO_TELEMETRY),
+           levels={**_NO_TELEMETRY, "watch": WARNING}, problems={"watch": "no telemetry/ folder yet"}),
     Damage("topology missing", lambda r: shutil.rmtree(_tel(r, T)), "no topology", "telemetry/topology",
            level=WARNING),
     Damage("events missing", lambda r: shutil.rmtree(_tel(r, E)), "no lifecycle events", "telemetry/events",

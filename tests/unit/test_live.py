@@ -44,3 +44,18 @@ def test_analyze_before_any_telemetry(tmp_path: Path) -> None:
         live.analyze()
     with pytest.raises(ValueError, match="keep_steps"):
         LiveConfig(window_steps=30, keep_steps=10)
+
+
+def test_a_run_whose_ranks_have_not_started_is_waited_for_and_a_missing_run_raises(tmp_path: Path) -> None:
+    """A monitor started beside a job just launched finds its run directory before any rank created telemetry/:
+    nothing to read yet, not an error; the parts are read once they appear. A run directory that does not exist is
+    a mistyped path, and says so."""
+    run = tmp_path / "run"
+    simulate(SimConfig(layout=Layout(dp=2), hosts=1, steps=20, phases=False), run)
+    shutil.move(run / "telemetry", tmp_path / "later")
+    live = LiveAnalyzer(run)
+    assert not live.started() and live.refresh() == 0
+    shutil.move(tmp_path / "later", run / "telemetry")
+    assert live.started() and live.refresh() > 0
+    with pytest.raises(RunDirError, match="does not exist"):
+        LiveAnalyzer(tmp_path / "nowhere").refresh()

@@ -31,6 +31,7 @@ from rankwatch.analytics.store import (
     table_parts, telemetry_dir,
 )
 from rankwatch.analytics.validate import check_keys, data_warnings, is_guard_error, read_error, stray_tables
+from rankwatch.base.rundir import TELEMETRY_DIR
 from rankwatch.base.schema import SCHEMA_VERSION, EventKind, Table
 from rankwatch.collector.rollup import COVERS_KEY, MANIFEST, PartListing, part_number, rank_of_part, read_covers
 
@@ -96,6 +97,8 @@ class LiveAnalyzer:
         Tables are read concurrently, each on its own DuckDB cursor: reading many small files has single-threaded
         stretches per statement (opening files, footers) that another table's statement fills."""
         tables = [t for t in Table if t in ANALYZED_TABLES]
+        if not self._seen and not self.started():
+            return 0  # a run just launched: its ranks have not created telemetry/ yet (a missing run still raises)
         if not self._seen:  # said once, while nothing was read yet
             self.warnings.extend(w for w in stray_tables(telemetry_dir(self.run_dir)) if w not in self.warnings)
         # the order of rows in memory carries no meaning (files arrive in any order): not keeping it reads faster
@@ -110,6 +113,15 @@ class LiveAnalyzer:
         if added:
             self._trim()
         return added
+
+    def started(self) -> bool:
+        """Whether the run's ranks have created its telemetry/ folder; a run directory that does not exist raises
+        (a live analyzer may be started beside a job it then waits for, not on a mistyped path)."""
+        if (Path(self.run_dir) / TELEMETRY_DIR).is_dir():
+            return True
+        if not Path(self.run_dir).is_dir():
+            telemetry_dir(self.run_dir)  # raises: not a run directory
+        return False
 
     def _refresh_table(self, table: Table) -> int:
         con = self.con.cursor()  # one per table: statements on different cursors run concurrently

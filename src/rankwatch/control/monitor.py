@@ -33,7 +33,7 @@ from rankwatch.analytics.live import LiveAnalyzer, LiveConfig
 from rankwatch.analytics.liveness import LivenessMonitor, LivenessView, same_fault
 from rankwatch.analytics.queries import topology
 from rankwatch.analytics.store import telemetry_dir
-from rankwatch.base.rundir import read_recovery_records
+from rankwatch.base.rundir import TELEMETRY_DIR, read_recovery_records
 from rankwatch.control.manager import catalog_view, plan_recovery
 from rankwatch.control.outbox import outbox_path
 from rankwatch.control.sender import AlertSender
@@ -230,8 +230,12 @@ class Monitor:
             self._warnings(self.live.warnings)
             self.live.warnings.clear()
             if not self._held and not self.ticks:
-                self._warn(f"rankwatch watch: warning: {telemetry_dir(self.run_dir)}: no telemetry part file read "
-                           "yet — nothing to analyze (still waiting for the run's first flush?)")
+                if self.live.started():
+                    self._warn(f"rankwatch watch: warning: {telemetry_dir(self.run_dir)}: no telemetry part file "
+                               "read yet — nothing to analyze (still waiting for the run's first flush?)")
+                else:
+                    self._warn(f"rankwatch watch: warning: {self.run_dir}: no {TELEMETRY_DIR}/ folder yet — "
+                               "nothing recorded; waiting for the run's ranks to start")
             if new_parts:
                 analysis = self.live.analyze()
                 analyzed = True
