@@ -53,3 +53,38 @@ def test_plain_calls_are_recorded_and_undo_restores(one_rank_world: None, tmp_pa
     assert all(r[Collectives.STATUS] == "ok" and r[Collectives.EXIT_MONO_NS] is not None for r in rows)
     dist.all_reduce(torch.ones(1))
     assert len(sink.rows(Table.COLLECTIVES)) == 4  # nothing recorded after undo
+
+
+@pytest.mark.timeout(120)
+def test_a_compiled_graph_is_the_one_torch_would_build(one_rank_world: None, tmp_path: Path) -> None:
+    """torch.compile traces through the wrappers to torch's own functions: `fullgraph=True` compiles (a wrapper that
+    recorded while traced broke the graph there, and a fullgraph job failed), the result is the same, and the
+    compiled collectives run as ops no wrapper sees (the Flight Recorder's count tells the table they are missing);
+    calls outside the compiled function are still recorded."""
+    import torch.distributed._functional_collectives as funcol
+
+    from rankwatch.collector.funcol import instrument_funcol
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = funcol.all_reduce(x * 2, "sum", dist.group.WORLD)
+        z = y.sin() + 1
+        dist.all_reduce(z)
+        return z.cos()
+
+    want = f(torch.ones(8))
+    sink = MemorySink()
+    c = Collector(CollectorConfig(run_dir=tmp_path, handle_sigterm=False), rank=0, world_size=1, sink=sink)
+    undo = [instrument_distributed(c), instrument_funcol(c)]
+    torch._dynamo.reset()
+    try:
+        g = torch.compile(f, backend="aot_eager", fullgraph=True)
+        with c.step(0):
+            got = g(torch.ones(8))
+            dist.all_reduce(torch.ones(4))
+        assert torch.equal(got, want)
+    finally:
+        for u in undo:
+            u()
+        torch._dynamo.reset()
+    rows = [dict(zip(column_names(Table.COLLECTIVES), r)) for r in sink.rows(Table.COLLECTIVES)]
+    assert [(r[Collectives.OP], r[Collectives.BYTES]) for r in rows] == [("all_reduce", 16)]

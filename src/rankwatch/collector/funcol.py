@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rankwatch.collector.collectives import CollectiveTracker
+from rankwatch.collector.instrument import tracing
 
 __all__ = ["WRAPPED", "instrument_funcol"]
 
@@ -139,8 +140,8 @@ def instrument_funcol(collector: Any) -> Callable[[], None]:
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if getattr(inside, "depth", 0) or not dist.is_initialized():
-                return fn(*args, **kwargs)
+            if tracing() or bool(getattr(inside, "depth", 0)) or not dist.is_initialized():
+                return fn(*args, **kwargs)  # traced by torch.compile: torch's own call in the graph (`tracing`)
             o = None
             try:
                 group = kwargs["group"] if "group" in kwargs else args[at] if len(args) > at else None
@@ -187,6 +188,8 @@ def instrument_funcol(collector: Any) -> Callable[[], None]:
 
         @functools.wraps(wait)
         def wait_tensor(tensor: Any) -> Any:
+            if tracing():
+                return wait(tensor)
             key = _storage_key(tensor) if pending.open else None
             if key is not None:
                 pending.waiting(key)

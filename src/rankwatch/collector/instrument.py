@@ -87,13 +87,28 @@ def _binder(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[[tuple[A
     return fast
 
 
+def tracing() -> bool:
+    """Whether torch.compile's Dynamo is tracing the caller (`torch.compiler.is_compiling`, which Dynamo folds to
+    True while tracing). A wrapper then calls torch's function and records nothing: recording would break the graph
+    (Dynamo cannot trace the tracker's locks and clocks) and change the job's compiled program, and Dynamo maps
+    ``dist.all_reduce`` and its kin to their functional forms only when it reaches torch's own functions
+    (torch/_dynamo/variables/functions.py, ``traceable_collective_remaps``). The compiled graph's collectives run
+    as ``torch.ops._c10d_functional`` ops no Python wrapper sees: the Flight Recorder's per-group count
+    (`collector.flight`) is what tells the table they are missing."""
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:
+        return False
+
+
 def _wrap(tracker: CollectiveTracker, fn: Callable[..., Any], op: str, tensor_arg: str | None, peer_arg: str | None,
           *, always_async: bool = False) -> Callable[..., Any]:
     bind = _binder(fn, (tensor_arg or "", "group", peer_arg or "", "" if always_async else "async_op"))
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_INSIDE, "depth", 0):  # called by another recorded call (all_gather_into_tensor's body)
+        # traced by torch.compile: the graph gets torch's own call, as without rankwatch (`tracing`)
+        if tracing() or bool(getattr(_INSIDE, "depth", 0)):  # or called by another recorded call
             return fn(*args, **kwargs)
         try:
             tensor, group, peer, async_op = bind(args, kwargs)
@@ -150,6 +165,8 @@ def _wrap_batch(tracker: CollectiveTracker, fn: Callable[..., Any]) -> Callable[
 
     @functools.wraps(fn)
     def wrapper(p2p_op_list: Any) -> Any:
+        if tracing():
+            return fn(p2p_op_list)
         opened: list[Any] = []
         try:
             for p in p2p_op_list:
