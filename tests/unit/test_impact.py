@@ -145,3 +145,23 @@ def test_a_cost_is_sure_when_it_is_spread_over_the_window_not_made_of_one_step()
     assert low[0] >= CostConfig().min_share > low[1]
     assert (low == _surely_above(steps, saved)).all()  # seeded: the same steps, the same answer
     assert _surely_above(steps, np.zeros((30, 0))).shape == (0,)
+
+
+def test_a_rank_alone_in_its_stage_has_no_measured_cost_and_the_what_if_says_why() -> None:
+    """A pipeline of one replica (each stage one rank): no peer does a rank's work, so its ideal is its own and
+    making it ideal saves nothing by construction. Its straggler incident's impact is unmeasured with that reason,
+    not a cost of 0 %; the what-if warns, and names no rank as most often over its peers."""
+    g = _graph()
+    stage_of = {0: 0, 1: 1, 2: 2}
+    c = Costing(g, stage_of=stage_of, host_of=dict.fromkeys(range(3), "h0"))
+    w = analyze_graph(g, stage_of=stage_of, measured_ns=0.0, first_step=0, last_step=1, attempt=0, costing=c)
+    assert c.alone == {0, 1, 2} and w.last_rank is None
+    assert any("their stage's only rank" in x for x in w.warnings)
+    slow = Incident(klass=IncidentClass.STRAGGLER, subject=Subject(kind=SubjectKind.RANK, id="2"), ranks=(2,),
+                    onset_step=0, detection_step=1, confidence=0.9, cause=Cause.UNKNOWN, summary="slow")
+    (out,) = costed(_frames(), [slow], Replayed(whatif=w, costing=c), config=SHORT)
+    assert out.impact is not None and out.impact.basis is ImpactBasis.UNMEASURED
+    assert "rank 2 is stage 2's only rank" in out.impact.note
+    # with peers (one stage of three ranks) the same rank's cost is measured
+    (peered,) = [i for i in costed(_frames(), [slow], _replayed(dict.fromkeys(range(3), "h0")), config=SHORT)]
+    assert peered.impact is not None and peered.impact.basis is ImpactBasis.WHATIF and peered.impact.share > 0

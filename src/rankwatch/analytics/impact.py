@@ -256,6 +256,9 @@ def _impacts(frames: Frames, incidents: Sequence[Incident], replayed: Replayed) 
                 out[n] = Impact(basis=ImpactBasis.UNMEASURED,
                                 note=f"ranks {list(incident.ranks)} have no steps in the replayed window")
                 continue
+            if all(r in c.alone for r in ranks):
+                out[n] = Impact(basis=ImpactBasis.UNMEASURED, note=_alone(ranks, c.stage_of))
+                continue
             specs.append((n, c.rank_spec(str(incident.subject), ranks), first))
     if specs:
         shares, by_step = c.costs([spec for _, spec, _ in specs])
@@ -264,6 +267,14 @@ def _impacts(frames: Frames, incidents: Sequence[Incident], replayed: Replayed) 
             lost = float(by_step.saved_ns[steps >= first, k].sum())
             out[n] = _measured(incidents[n], share, lost, first, replayed)
     return [x for x in out if x is not None]
+
+
+def _alone(ranks: Sequence[int], stage_of: dict[int, int]) -> str:
+    """Why a rank with no peer has no measured cost."""
+    which = ", ".join(f"rank {r} is stage {stage_of[r]}'s only rank" for r in ranks)
+    return (f"{which}: no peer does the same work, so its ideal is unknown and what fixing it saves is not measured "
+            "(a pipeline of one replica without tensor parallelism; its stage's share is the stage imbalance's "
+            "re-partitioning what-if)")
 
 
 def _measured(incident: Incident, share: Share, lost_ns: float, first: int, replayed: Replayed) -> Impact:

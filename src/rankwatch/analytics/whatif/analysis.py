@@ -169,6 +169,11 @@ class Costing:
         self.schedule = Schedule.of(graph)
         self.stage_of = dict(stage_of)
         self.host_of = dict(host_of or {})
+        size = Counter(self.stage_of.get(r) for r in graph.programs)
+        self.alone = frozenset(r for r in graph.programs if size[self.stage_of.get(r)] == 1)
+        """Ranks that are their stage's only rank: no peer does their work, so their ideal is their own (a pipeline
+        of one replica without tensor parallelism): making one ideal saves nothing by construction, not by
+        measurement."""
         self.actual_w, self.actual_t = graph.work_ns, graph.transfer_ns
         self.ideal_w, self.ideal_t = graph.ideal_work(), graph.ideal_transfer()
         self.owner = np.empty(len(graph.work), dtype=np.int64)
@@ -318,6 +323,11 @@ def analyze_graph(graph: Graph, *, stage_of: Mapping[int, int], measured_ns: flo
               for what, v in specs.items()}
     partition = _stage_partition(c, stage_of) if len(stages) > 1 else None
     winners, steps = _winners(graph, c.owner, stage_of)
+    if c.alone:
+        alone = sorted(c.alone)
+        warnings = (*warnings, f"rank(s) {', '.join(map(str, alone))} are each their stage's only rank: no peer does "
+                    "their work, so their ideal is their own and S leaves their slowness out (a pipeline of one "
+                    "replica without tensor parallelism; a stage slower than the others is in 'stage partitioning')")
     return WhatIf(attempt=attempt, first_step=first_step, last_step=last_step, ranks=len(graph.programs),
                   measured_ns=measured_ns, actual_ns=c.actual_ns, ideal_ns=c.ideal_ns, by_rank=shares["rank"],
                   by_stage=shares["stage"], by_host=shares["host"], by_kind=shares["kind"], by_op=shares["op"],
@@ -395,7 +405,7 @@ def _stage_partition(c: Costing, stage_of: Mapping[int, int]) -> Share:
 
 def _winners(graph: Graph, owner: np.ndarray, stage_of: Mapping[int, int]) -> tuple[Counter[int], int]:
     """In how many steps each rank had the most own work (compute and dataloader) over its stage's median, and over
-    how many steps."""
+    how many steps (ranks alone in their stage are not candidates)."""
     own: dict[tuple[int, int], float] = {}
     for w in graph.work:
         if w.kind in _OWN_KINDS:
@@ -407,7 +417,7 @@ def _winners(graph: Graph, owner: np.ndarray, stage_of: Mapping[int, int]) -> tu
         excess: dict[int, float] = {}
         for st in set(stage_of.values()):
             ranks = [r for r in graph.programs if stage_of.get(r) == st and (r, s) in own]
-            if not ranks:
+            if len(ranks) < 2:  # a rank alone in its stage has no peer to be over
                 continue
             median = float(np.median([own[(r, s)] for r in ranks]))
             for r in ranks:
