@@ -100,6 +100,8 @@ class Plan:
     ab_collectives: int
 
 
+_STEP_END = "LivenessWriter.stepped"
+
 FULL = Plan(breakdown_rounds=200, cp_collectives=(0, 10, 100), cp_quads=400, bootstrap=1000,
             bg_points=((0.1, 100), (0.1, 1000), (0.5, 100), (0.5, 1000)), bg_seconds=20.0,
             ab_blocks=4, ab_steps=60, ab_warmup=8, ab_step_s=0.1, ab_collectives=10)
@@ -437,6 +439,22 @@ def _breakdown(plan: Plan, job: _Job, *, collectives: int = 100) -> dict[str, fl
     return {name: (statistics.median(times[name]) - base) / collectives / 1e3 for name in names if name != "bare"}
 
 
+def _step_end_record(plan: Plan, job: _Job) -> float:
+    """The liveness record the training thread writes at each step's end (`LivenessWriter.stepped`: a snapshot, its
+    JSON and one `pwrite`), in situ on the started Collector: the median training-thread CPU of one call, µs. It is
+    part of a (the ON steps write it); shown apart because it is the one piece of a that does I/O."""
+    live = job.c._live
+    if live is None:
+        return float("nan")
+    clock = time.thread_time_ns
+    times = []
+    for _ in range(plan.breakdown_rounds * 5):
+        t0 = clock()
+        live.stepped()
+        times.append(clock() - t0)
+    return statistics.median(times) / 1e3
+
+
 # --------------------------------------------------------------------------------------- background
 
 
@@ -516,6 +534,7 @@ def _in_process(plan: Plan) -> tuple[CriticalPath, dict[str, float], list[Backgr
             cp = _critical_path(plan, jobs)
             print("  per-collective breakdown ...", flush=True)
             breakdown = _breakdown(plan, jobs[ON])
+            breakdown[_STEP_END] = _step_end_record(plan, jobs[ON])
             print("  background threads ...", flush=True)
             bg = _background(plan, jobs[ON])
         finally:
@@ -681,7 +700,9 @@ def _table(plan: Plan, cp: CriticalPath, breakdown: dict[str, float], bg: list[B
                      f"OFF step {cp.off_us[n]:.0f} µs of CPU",
                      f"{cp.total_us[n].fmt(1)} = {cp.body_us[n].mean:+.1f} {cp.fingerprint_us[n]:+.1f} "
                      f"{cp.gc_us[n]:+.1f}"))
-    for name, us in breakdown.items():
+    rows.append((f"  of a, the liveness record written at each step's end ({_STEP_END}), µs a step: median of "
+                 f"{plan.breakdown_rounds * 5} calls in situ", f"{breakdown[_STEP_END]:+.1f}"))
+    for name, us in ((n, v) for n, v in breakdown.items() if n != _STEP_END):
         rows.append((f"per-collective breakdown, 100 gloo calls a step in a Collector step: {name}, µs over bare calls",
                      f"{us:+.2f}"))
     for p in bg:

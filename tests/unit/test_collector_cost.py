@@ -13,6 +13,7 @@ ROWS = (
     "critical path at 0 collectives a step",
     "critical path at 10 collectives a step",
     "critical path at 100 collectives a step",
+    "  of a, the liveness record written at each step's end",
     "per-collective breakdown",
     "background CPU at 0.1 s steps × 100 collectives",
     "ON vs OFF step time, 2 ranks on 2 cores",
