@@ -12,12 +12,13 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rankwatch.analytics.incidents import Incident, IncidentClass
+from rankwatch.analytics.incidents import Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.base.rundir import MANAGER_DIR, QUARANTINE_FILE, RECOVERY_DIR, STATE_FILE
 from rankwatch.base.topology import Layout
 from rankwatch.canary.config import CanaryConfig
@@ -243,7 +244,12 @@ def _relaunched(svc: ManagerService, fake: FakeLauncher, run_dir: Path) -> bytes
     # the same incident decided again (the post-hoc reading's decision), its attempt unknown: the recovery running
     # is the one from it, and its record is not written until the relaunch ends
     (incident(attempt=None), "rollback_domain", "covered by recovery-0001: acted on already"),
-], ids=["replaced-attempt", "being-recovered"])
+    # a finding over every attempt's rows (its attempt unknown), detected before the relaunch started, whose onset
+    # is after the point the relaunch resumed from: what it is about is not what runs (a drill's stale corruption
+    # alert stopped the relaunch in CI)
+    (replace(incident(IncidentClass.CORRUPTION, attempt=None), subject=Subject(kind=SubjectKind.JOB, id="job"),
+             detection_wall_ns=1), "rollback_domain", "covered: incident detected before attempt 1 started"),
+], ids=["replaced-attempt", "being-recovered", "found-before-the-relaunch"])
 def test_a_late_decision_never_stops_the_relaunch_that_replaced_or_recovers_it(
         run_dir: Path, late_incident: Incident, action: str, outcome: str) -> None:
     fake = FakeLauncher(("run", "run"))

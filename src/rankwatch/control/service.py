@@ -38,8 +38,9 @@ What a decision does (only signed "decision" messages act):
 Actions are serialized: one worker thread takes decisions in arrival order. A decision arriving while a recovery runs
 is queued; when its turn comes, `assess` skips what earlier recoveries handled, so one whose incident the running
 recovery covered ends as "covered by recovery-NNNN" with nothing done twice. A decision about an incident of an
-attempt that a later attempt already replaced, or about one a recovery acted on (its record names it, or it is in the
-plan being applied), never stops the newer attempt.
+attempt that a later attempt already replaced (`replaced`: also one of unknown attempt found before the relaunch
+started, with the relaunch resumed from before its onset), or about one a recovery acted on (its record names it, or
+it is in the plan being applied), never stops the newer attempt.
 
 POST /alertmanager — deliveries of a real Alertmanager (which cannot sign): `Authorization: Bearer <token>` or 401;
 deduplicated by groupKey + status + sorted alert fingerprints; recorded as evidence only (<run>/manager/
@@ -67,6 +68,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from rankwatch.analytics.incidents import Incident
 from rankwatch.base.rundir import RunDir, read_launches
 from rankwatch.control.http import BodyRefused, Edge, GuardedServer, HttpLimits, read_body, server_config
 from rankwatch.control.ledger import Ledger, MessageState
@@ -75,6 +77,7 @@ from rankwatch.control.manager import (
 )
 from rankwatch.control.signer import load_secret, signature_problem
 from rankwatch.control.wire import AlertMessage, MessageType, json_object, parse_message, typed_key
+from rankwatch.recovery.catalog import checkpoint_step
 from rankwatch.recovery.decision import Action
 from rankwatch.recovery.job import Job, JobLoader, LaunchResult, Launcher
 
@@ -355,6 +358,9 @@ class Manager:
         with self._lock:
             if inc_attempt is not None and number >= 0 and inc_attempt < number:
                 return False
+        if replaced(self.run_dir, message.incident) is not None:
+            return False
+        with self._lock:
             if message.incident.id in self._acting:  # the running attempt is the recovery from this very incident
                 return False
         if covering(self.run_dir, message.incident.id) is not None:
@@ -467,11 +473,9 @@ class Manager:
                         covering(self.run_dir, message.incident.id))
             rec = apply(cfg, plan, launcher=self._no_launch)
             return rec.outcome, rec.id
-        latest = len(read_launches(self.run_dir, missing_ok=True)) - 1
-        inc_attempt = message.incident.attempt
-        if inc_attempt is not None and inc_attempt < latest:
-            return (f"covered: incident of attempt {inc_attempt}, which attempt {latest} replaced",
-                    latest_recovery(self.run_dir))
+        why = replaced(self.run_dir, message.incident)
+        if why is not None:
+            return f"covered: {why}", latest_recovery(self.run_dir)
         done_by = covering(self.run_dir, message.incident.id)
         if done_by is not None:  # acted on already (the same incident reported again, or by the post-hoc reading)
             return f"covered by {done_by}: acted on already", done_by
@@ -664,6 +668,36 @@ def _app(manager: Manager, *, secret: str, token: str | None, max_body: int, edg
         route("/status", status, "GET"),
         route("/healthz", healthz, "GET"),
     ])
+
+
+def replaced(run_dir: Path, incident: Incident) -> str | None:
+    """Why the run's latest attempt already replaced what `incident` is about, or None. An incident of an earlier
+    attempt is replaced. One whose attempt is unknown (a finding over every attempt's rows: a corruption, a
+    divergence) is replaced when it was detected before the latest attempt started and that attempt resumed from a
+    checkpoint before its onset (or from the start): the state it is about is not the state that runs. One found
+    before the relaunch, with the relaunch resumed from after its onset, is not: that state runs on."""
+    try:
+        launches = read_launches(run_dir, missing_ok=True)
+    except ValueError:
+        return None
+    latest = len(launches) - 1
+    if latest < 1:
+        return None
+    if incident.attempt is not None:
+        return (f"incident of attempt {incident.attempt}, which attempt {latest} replaced"
+                if incident.attempt < latest else None)
+    last = launches[-1]
+    started, resumed = last.get("started_wall_ns"), last.get("resume_from")
+    fresh = resumed == "start" or (resumed is None and last.get("resume") is False)  # a command job's; the canary's
+    step = -1 if fresh else checkpoint_step(resumed) if isinstance(resumed, str) else None
+    found, onset = incident.detection_wall_ns, incident.onset_step
+    if step is None or not isinstance(started, int) or found is None or onset is None:
+        return None
+    if found < started and step < onset:
+        where = "the start" if step < 0 else str(resumed)
+        return (f"incident detected before attempt {latest} started, which resumed from {where}, before its onset "
+                f"(step {onset})")
+    return None
 
 
 class ManagerService:

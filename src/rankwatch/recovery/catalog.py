@@ -43,6 +43,12 @@ def checkpoint_id(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint id ``step-XXXXXXXX``; None for anything else."""
+    m = _FINAL_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def rank_shard_name(rank: int) -> str:
     """The per-rank state file (RNG states, data position, ...) of `rank`, relative to the checkpoint."""
     return f"rank-{rank:05d}.pt"
