@@ -358,12 +358,10 @@ class Manager:
         with self._lock:
             if inc_attempt is not None and number >= 0 and inc_attempt < number:
                 return False
-        if replaced(self.run_dir, message.incident) is not None:
-            return False
-        with self._lock:
             if message.incident.id in self._acting:  # the running attempt is the recovery from this very incident
                 return False
-        if covering(self.run_dir, message.incident.id) is not None:
+        if (replaced(self.run_dir, message.incident) is not None
+                or covering(self.run_dir, message.incident.id) is not None):
             return False
         with self._lock:
             if cur.done.is_set():
