@@ -128,6 +128,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     parser.add_argument("--resume", action="store_true", help="resume from the run's newest usable checkpoint")
     parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile each block after tensor parallelism (torch.compile; aot_eager on CPU)")
     args = parser.parse_args()
 
     if torch.cuda.is_available():
@@ -148,6 +150,8 @@ def main() -> None:
     model = Transformer(args.vocab, args.d_model, args.n_head, args.n_layer, args.seq_len).to(device)
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], TP_PLAN)
+        if args.compile:  # as torchtitan does: per block, after tensor parallelism, before FSDP
+            block.compile(fullgraph=True, backend="inductor" if device_type == "cuda" else "aot_eager")
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -70,6 +70,39 @@ def test_collectives_table_matches_the_flight_recorder(clean_run: Path) -> None:
     assert recorded == counted
 
 
+def test_a_compiled_models_collectives_are_recorded_once_each(tmp_path: Path) -> None:
+    """FSDP + TP with each block compiled (torch.compile, fullgraph, as torchtitan does): DTensor's tensor-parallel
+    all-reduces run inside the compiled graphs, where no wrapper sees them. The writer records them from the Flight
+    Recorder (collector/backfill.py): per rank and group the table holds exactly what torch counted, the compiled
+    ones untimed and numbered alike on both ranks of a tensor-parallel group, and the run reads clean."""
+    run_dir = run_ok(tmp_path, "fsdp_tp_2d", "--compile", steps=30)
+    counted: dict[tuple[int, str], int] = {}
+    for rank, message in rows(run_dir, "SELECT rank, message FROM events WHERE kind = 'collective_counts'"):
+        for group, n in json.loads(message).items():
+            counted[(rank, group)] = n
+    recorded = {(r, g): n for r, g, n in rows(
+        run_dir, "SELECT rank, \"group\", count(DISTINCT group_seq) FROM collectives GROUP BY ALL")}
+    assert recorded == counted and len(counted) == 3 * WORLD
+    untimed = rows(run_dir, "SELECT \"group\", rank, list(group_seq ORDER BY group_seq), count(*) FILTER "
+                            "(WHERE step < 0) FROM collectives WHERE status = 'untimed' GROUP BY ALL ORDER BY ALL")
+    assert [(g, r) for g, r, _, _ in untimed] == [("tp.dp0", 0), ("tp.dp0", 1), ("tp.dp1", 2), ("tp.dp1", 3)]
+    assert untimed[0][2] == untimed[1][2] and untimed[2][2] == untimed[3][2] and len(untimed[0][2]) >= 30 * 4
+    assert [n for *_, n in untimed] == [0] * 4  # every one in its step
+    analysis = analyze(run_dir)
+    assert analysis.incidents == (), described(analysis.incidents)
+    assert [w for w in analysis.warnings if w.startswith("collectives:")] == []
+
+
+def test_a_slow_rank_in_a_compiled_model_is_named_and_not_its_tensor_parallel_peer(tmp_path: Path) -> None:
+    """Rank 1 sleeping 30 ms a step, blocks compiled: its tensor-parallel peer (rank 0) waits for it inside the
+    compiled graphs' all-reduces, which nothing times. Read from their arrivals, that wait is waiting, not compute:
+    rank 1 alone is the straggler, with the cost the what-if gives it."""
+    run_dir = run_ok(tmp_path, "fsdp_tp_2d", "--compile", steps=80,
+                     env={"FAULT_SLEEP_RANK": "1", "FAULT_SLEEP_MS": "30"})
+    incident = only(analyze(run_dir), IncidentClass.STRAGGLER, 1)
+    assert incident.impact is not None and incident.impact.share is not None and incident.impact.share > 0.1, incident
+
+
 # -- stragglers -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("example", EXAMPLES)

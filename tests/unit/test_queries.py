@@ -274,3 +274,66 @@ def test_heartbeat_period_comes_from_the_window_or_else_from_the_whole_run() -> 
     assert q.heartbeat_interval_ns(con, since_step=9) == 5 * s  # one heartbeat per rank in the window: the run's
     con.execute("DELETE FROM events")
     assert q.heartbeat_interval_ns(con, since_step=9) == s  # none at all: the default
+
+
+def _untimed(rank: int, step: int, group: str, ranks: list[int], seq: int, enter_ms: float) -> dict[str, Any]:
+    """A collective no wrapper saw (a compiled graph's), as the writer records it from the Flight Recorder."""
+    enter = T0 + int((step * 100 + enter_ms) * MS)
+    return {"rank": rank, "step": step, "seq": -1, "group_seq": -seq, "op": "all_reduce", "group": group,
+            "group_ranks": ranks, "bytes": 64, "dtype": "float32", "async_op": False, "enter_wall_ns": enter,
+            "enter_mono_ns": enter, "status": "untimed"}
+
+
+def _untimed_run(run: Path, hosts: list[str], *, drop_late: bool = False) -> Path:
+    """Two ranks in one tensor-parallel group whose all-reduces run in a compiled graph (untimed rows): rank 1 arrives
+    30 ms after rank 0 at the first of each step, 1 ms after at the second; each rank's own clock reads both steps
+    and operations (monotonic = wall here). `drop_late`: rank 1's rows of the first ones lost."""
+    for rank in (0, 1):
+        write(run, Table.TOPOLOGY, rank, [{
+            "rank": rank, "attempt": 0, "world_size": 2, "local_rank": rank, "host": hosts[rank], "pid": 1 + rank,
+            "start_wall_ns": T0, "backend": "gloo", "dp": 0, "tp": rank, "pp": 0, "dp_size": 1, "tp_size": 2,
+            "pp_size": 1, "groups": [{"name": "tp0", "kind": "tp", "ranks": [0, 1], "hosts": hosts, "links": []}]}])
+        write(run, Table.EVENTS, rank, [{"rank": rank, "attempt": 0, "wall_ns": T0 - MS, "mono_ns": 0,
+                                         "kind": "start"}])
+        write(run, Table.STEPS, rank, [{
+            "rank": rank, "step": s, "attempt": 0, "start_wall_ns": T0 + s * 100 * MS,
+            "end_wall_ns": T0 + (s * 100 + 90) * MS, "start_mono_ns": T0 + s * 100 * MS,
+            "end_mono_ns": T0 + (s * 100 + 90) * MS, "duration_ns": 90 * MS, "compute_ns": 80 * MS,
+            "collective_wait_ns": 10 * MS, "dataloader_wait_ns": 0, "checkpoint_ns": 0, "num_collectives": 1,
+            "loss": None, "local_grad_norm": 1.0, "all_finite": True, "data_position": s} for s in range(6)])
+        rows = []
+        for s in range(6):
+            rows.append(_untimed(rank, s, "tp0", [0, 1], 2 * s + 1, 10 + (30 if rank == 1 else 0)))
+            rows.append(_untimed(rank, s, "tp0", [0, 1], 2 * s + 2, 60 + (1 if rank == 1 else 0)))
+        if drop_late and rank == 1:
+            rows = [r for r in rows if r["group_seq"] % 2 == 0]  # only the second of each step left
+        write(run, Table.COLLECTIVES, rank, rows)
+    return run
+
+
+@pytest.mark.parametrize("case", ["one host", "two hosts", "a member's row missing"])
+def test_waits_in_untimed_collectives_are_read_from_arrivals_on_one_host(tmp_path: Path, case: str) -> None:
+    """Compiled tensor-parallel all-reduces (untimed rows): rank 1 arrives 30 ms after rank 0 at the first of each
+    step. Rank 0 waited those 30 ms; without the untimed rows they count as its compute, and it looks as slow as
+    rank 1. Across hosts the wall clocks differ, and an operation missing a member's row tells nothing: no change."""
+    run = _untimed_run(tmp_path / "run", ["h0", "h1"] if case == "two hosts" else ["h0", "h0"],
+                       drop_late=case == "a member's row missing")
+    steps = q.steps(connect(run)).sort("rank", "step")
+    got = [(r, c // MS, w // MS) for r, c, w in steps.select("rank", "compute_ns", "collective_wait_ns").iter_rows()]
+    if case == "one host":
+        assert got == [(0, 49, 41)] * 6 + [(1, 80, 10)] * 6  # 30 + 1 ms of waiting, no longer compute
+    elif case == "two hosts":
+        assert got == [(0, 80, 10)] * 6 + [(1, 80, 10)] * 6
+    else:
+        assert got == [(0, 79, 11)] * 6 + [(1, 80, 10)] * 6  # the second all-reduce of each step only
+
+
+def test_the_what_if_replays_untimed_collectives_as_ending_at_their_last_arrival(tmp_path: Path) -> None:
+    """The same compiled all-reduces in the what-if: rank 0's 30 ms at the first of each step is waiting for rank 1,
+    so the work to fix is rank 1's (without the untimed rows each rank's step is one span of work, alike)."""
+    from rankwatch.analytics.whatif import whatif
+
+    w = whatif(_untimed_run(tmp_path / "run", ["h0", "h0"]))
+    saves = {s.subject: s.saved_share for s in w.by_rank}
+    assert saves["rank:1"] > 0.1 and saves["rank:0"] < 0.02, saves
+    assert w.last_rank is not None and w.last_rank[0] == 1

@@ -143,12 +143,58 @@ def steps(con: duckdb.DuckDBPyConnection, since_step: int | None = None, clock: 
         return conform("steps", None)
     restarted = con.execute("SELECT max(attempt) FROM steps").fetchall()[0][0] or 0
     dedupe = "QUALIFY row_number() OVER (PARTITION BY rank, step ORDER BY attempt DESC) = 1" if restarted else ""
-    timing = ("device_compute_ns AS compute_ns, device_collective_ns AS collective_wait_ns" if clock is Clock.DEVICE
-              else "compute_ns, collective_wait_ns")
+    if clock is Clock.DEVICE:
+        timing, untimed, join = "device_compute_ns AS compute_ns, device_collective_ns AS collective_wait_ns", "", ""
+    elif has_untimed(con):
+        untimed = f"WITH u AS ({_untimed_waits_sql(since_step)}),"
+        timing = ("greatest(s.compute_ns - coalesce(u.wait_ns, 0), 0) AS compute_ns, "
+                  "s.collective_wait_ns + least(coalesce(u.wait_ns, 0), s.compute_ns) AS collective_wait_ns")
+        join = "LEFT JOIN u ON u.rank = s.rank AND u.step = s.step AND u.attempt = s.attempt"
+    else:
+        timing, untimed, join = "compute_ns, collective_wait_ns", "", ""
     return conform("steps", _frame(con, f"""
-        SELECT rank, attempt, step, start_wall_ns, end_wall_ns, duration_ns, {timing},
-               dataloader_wait_ns, checkpoint_ns, loss, local_grad_norm, all_finite, data_position
-        FROM steps WHERE true {_since(since_step)} {dedupe} ORDER BY rank, step"""))
+        {untimed or "WITH"} s AS (SELECT * FROM steps WHERE true {_since(since_step)} {dedupe})
+        SELECT s.rank, s.attempt, s.step, s.start_wall_ns, s.end_wall_ns, s.duration_ns, {timing},
+               s.dataloader_wait_ns, s.checkpoint_ns, s.loss, s.local_grad_norm, s.all_finite, s.data_position
+        FROM s {join} ORDER BY s.rank, s.step"""))
+
+
+def has_untimed(con: duckdb.DuckDBPyConnection) -> bool:
+    """Untimed collectives recorded, with the topology (hosts) and events (attempts) their waits are read with."""
+    return {Table.COLLECTIVES, Table.TOPOLOGY, Table.EVENTS} <= _tables(con) and bool(con.execute(
+        f"SELECT 1 FROM collectives WHERE status = '{CollectiveStatus.UNTIMED}' LIMIT 1").fetchall())
+
+
+def untimed_arrivals_sql(since_step: int | None = None) -> str:
+    """SQL of the arrivals at collectives nothing timed (`untimed` rows: a compiled graph's, read from the Flight
+    Recorder, collector/backfill.py): per member rank, attempt and operation its op, group, bytes, enter times and
+    ``last_ns``, the wall time the group's last member arrived. The Flight Recorder gives each member's enqueue time
+    on its host's wall clock; a blocking collective cannot end before its last member arrives, so each member waited
+    at least from its own arrival to the last one's. Only operations every member has a row of, all on one host
+    (one clock: across hosts the clocks' offset would read as waiting), as tensor-parallel groups are."""
+    return f"""
+        WITH h AS (SELECT rank, arg_max(host, attempt) AS host FROM topology GROUP BY rank),
+        o AS (
+            SELECT c.rank, coalesce(e.attempt, 0) AS attempt, c.step, c.op, c."group", c.group_ranks, c.group_seq,
+                   c.bytes, c.enter_wall_ns, c.enter_mono_ns, h.host
+            FROM collectives c JOIN h USING (rank)
+            ASOF LEFT JOIN (SELECT rank, attempt, wall_ns FROM events WHERE kind = '{EventKind.START}') e
+              ON c.rank = e.rank AND c.enter_wall_ns >= e.wall_ns
+            WHERE c.status = '{CollectiveStatus.UNTIMED}' AND c.op IN {_MEMBER_OPS} AND len(c.group_ranks) > 1
+                  AND c.step >= 0 {_since(since_step, "c.step")}),
+        m AS (
+            SELECT *, max(enter_wall_ns) OVER w AS last_ns, count(*) OVER w AS n, count(DISTINCT host) OVER w AS hosts
+            FROM o WINDOW w AS (PARTITION BY "group", group_seq, step, attempt))
+        SELECT rank, attempt, step, op, "group", group_ranks, bytes, enter_wall_ns, enter_mono_ns, last_ns
+        FROM m WHERE n = len(group_ranks) AND hosts = 1"""
+
+
+def _untimed_waits_sql(since_step: int | None) -> str:
+    """Per (rank, attempt, step): the time the rank waited in collectives nothing timed, from their arrivals
+    (`untimed_arrivals_sql`). Without this, those waits count as compute, and the peers of a slow rank look as
+    slow as it."""
+    return f"""SELECT rank, attempt, step, sum(last_ns - enter_wall_ns) AS wait_ns
+        FROM ({untimed_arrivals_sql(since_step)}) GROUP BY ALL"""
 
 
 def _inside(clock: Clock) -> tuple[str, str]:

@@ -247,6 +247,7 @@ class CollectiveStatus(StrEnum):
     OK = "ok"
     ERROR = "error"
     IN_FLIGHT = "in_flight"
+    UNTIMED = "untimed"
 
 
 class CheckpointPhase(StrEnum):
@@ -454,13 +455,16 @@ COLUMNS: dict[Table, tuple[ColumnSpec, ...]] = {
     Table.COLLECTIVES: (
         _c(Collectives.RANK, _I32, "", _RANK_DOC),
         _c(Collectives.STEP, _I64, "step", "training step the collective was issued in (-1 outside a step)"),
-        _c(Collectives.SEQ, _I32, "", "order of the collective within the step on this rank (0-based)"),
+        _c(Collectives.SEQ, _I32, "", "order of the collective within the step on this rank (0-based; -1 outside a step "
+                                      "and for untimed rows)"),
         _c(
             Collectives.GROUP_SEQ,
             _I64,
             "",
             "order of the collective within its process group since the rank started (0-based); ranks of one "
-            "group issue collectives in the same order, so (group, group_seq) matches one operation across ranks",
+            "group issue collectives in the same order, so (group, group_seq) matches one operation across ranks. "
+            "Negative on untimed rows: minus torch's collective_seq_id for the group (the Flight Recorder's), the same "
+            "on every member",
         ),
         _c(Collectives.OP, _STR, "", "operation: all_reduce, all_gather, reduce_scatter, broadcast, send, recv, barrier"),
         _c(Collectives.GROUP, _STR, "", "process-group name (see topology.groups)"),
@@ -502,9 +506,11 @@ COLUMNS: dict[Table, tuple[ColumnSpec, ...]] = {
             Collectives.STATUS,
             _STR,
             "",
-            "ok | error | in_flight. An in_flight row is a snapshot of a collective still open when its part "
-            "file was written; a later ok/error row with the same (rank, group, group_seq) supersedes it, "
-            "and where none follows the rank never left the collective",
+            "ok | error | in_flight | untimed. An in_flight row is a snapshot of a collective still open when its "
+            "part file was written; a later ok/error row with the same (rank, group, group_seq) supersedes it, "
+            "and where none follows the rank never left the collective. An untimed row is a collective no wrapper "
+            "saw (a compiled graph's, a C++ caller's), read from torch's Flight Recorder: entered at its enqueue "
+            "time, its exit and duration null (device_duration_ns where NCCL timed it)",
         ),
         _c(Collectives.ERROR, _STR, "", "exception type and message when status is error", True),
     ),

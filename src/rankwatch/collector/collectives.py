@@ -778,6 +778,23 @@ class CollectiveTracker:
             candidates += current.ops[current.written :]
         return [o for o in candidates if hasattr(o, "enter_mono") and o.exit_mono is None]
 
+    def unwritten(self) -> list[tuple[str, str, int, int | None, bool]]:
+        """(group, op, enter wall, exit wall or None while open, async_op) of every operation entered and not yet written, and
+        of the C++ call the training thread is inside (`enter_call`, open): what may have enqueued collectives the
+        writer has not seen rows of (`backfill`). Writer thread."""
+        with self._lock:
+            candidates = list(self._live) + self._late
+            current = self._current
+            if current is not None:
+                self.claim(current)
+                candidates += current.ops[current.written :]
+            rows: list[Any] = [self._row(o) for o in candidates if hasattr(o, "enter_mono")]
+            calling = self._calling
+        out: list[tuple[str, str, int, int | None, bool]] = [(r[5], r[4], r[11], r[13], bool(r[10])) for r in rows]
+        if calling is not None:
+            out.append((calling.group.name, calling.op, calling.enter_mono + _wall() - _mono(), None, False))
+        return out
+
     def in_flight_rows(self) -> Iterable[tuple[Table, Row]]:
         now, after = _mono(), self._inflight_after_ns
         with self._lock:

@@ -61,6 +61,7 @@ from rankwatch.base.topology import GroupInfo
 from rankwatch.collector.collectives import CollectiveTracker, StepRecord, _Open, _Tensor, _alloc, _make, _new
 from rankwatch.collector.device import CudaDeviceTimer, DeviceTimer, Mark
 from rankwatch.collector import flight
+from rankwatch.collector.backfill import Backfill, Interval
 from rankwatch.collector.fingerprint import consistency_domain, fingerprint
 from rankwatch.collector.gpu import GpuMonitor, GpuSample, GpuSampler
 from rankwatch.collector.liveness import LivenessWriter, rank_record_path
@@ -128,9 +129,17 @@ class CollectorConfig:
     """At close (or before the process groups are destroyed), record torch's own per-group count of the collectives
     issued while recording (the Flight Recorder's, when it is on: `flight`), for `analytics.coverage` to check the
     collectives table against. On where every collective is recorded (`attach` sets it); a job that times only
-    the collectives it chooses (the canary's steps) would be reported short by design."""
+    the collectives it chooses (the canary's steps) would be reported short by design. With the Flight Recorder on
+    it also turns on `backfill`: the collectives no wrapper saw (a compiled graph's) recorded from its entries."""
+    flight_read_share: float = 0.005
+    """The largest share of wall time the writer may spend reading the Flight Recorder's entries for `backfill`
+    (torch's JSON dump of its whole ring buffer holds the GIL: ~30 ms at 2,000 entries on this machine, a pause of
+    the training thread). Entries that leave the ring buffer while reads wait for this budget are counted, and the
+    table is short of the compiled collectives among them (`analytics.coverage` says so)."""
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.flight_read_share <= 1.0:
+            raise ValueError(f"CollectorConfig.flight_read_share must be in (0, 1], got {self.flight_read_share}")
         for name in ("flush_interval_s", "heartbeat_interval_s", "gpu_interval_s", "liveness_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"CollectorConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -351,10 +360,14 @@ class Collector:
         self._started_wall_ns = 0
         self._issued_at_start: dict[str, int] = {}
         self._counted = False
+        self._append_collective = self.sink.appender(Table.COLLECTIVES)
+        self._backfill: Backfill | None = None
+        """Collectives no wrapper saw, read from the Flight Recorder by the writer (`backfill`); with
+        `count_collectives` and the Flight Recorder on."""
         self._domain: tuple[str, tuple[int, ...]] | None = None
         self.tracker = CollectiveTracker(
             rank=rank,
-            append=self.sink.appender(Table.COLLECTIVES),  # the tracker's own try/except catches a failing sink
+            append=self._append_loose,  # the tracker's own try/except catches a failing sink
             on_error=self._collective_failed,
             on_internal=self._internal_error,
             inflight_after_s=config.inflight_after_s,
@@ -372,7 +385,11 @@ class Collector:
         self._started = True
         self._started_wall_ns = _wall()
         # torch's per-group collective counts (empty: Flight Recorder off, or not asked for)
-        self._issued_at_start = flight.issued() if self.config.count_collectives else {}
+        initial = flight.dump() if self.config.count_collectives and flight.enabled() else None
+        self._issued_at_start = flight.named(initial) if initial is not None else {}
+        if initial is not None:
+            self._backfill = Backfill(rank=self.rank, groups=self._c10d_groups, pending=self._unwritten,
+                                      ring=flight.ring_size(), share=self.config.flight_read_share, initial=initial)
         self.sink.start()
         self.event(EventKind.START, message=f"pid={os.getpid()}")
         if self.config.liveness:
@@ -424,6 +441,7 @@ class Collector:
             self.record_collective_counts()
             self._final = True  # the last drains give up on device marks still pending
             self._report_drops()
+            self._report_backfill()
             writer_ns = getattr(self.sink, "writer_cpu_ns", None)  # the collector's own background cost, so far
             self.event(EventKind.EXIT, exit_code=exit_code, dropped_rows=sum(self.dropped.values()),
                        message=None if writer_ns is None else f"{WRITER_CPU_PREFIX}{writer_ns / 1e6:.1f} ms")
@@ -459,6 +477,9 @@ class Collector:
         if not self._started or self._counted or not self.config.count_collectives:
             return
         self._counted = True
+        if self._backfill is not None:  # the last collectives nothing recorded, while their groups still exist
+            self._backfill.closing = True
+            self.sink.flush(timeout_s=5.0)
         end = flight.issued()
         if not end:
             return
@@ -744,7 +765,42 @@ class Collector:
                 else:
                     phases += [(rank, step, p.name, p.start + offset, p.start, p.end - p.start, None) for p in record.phases]
         collectives = self.tracker.drain(done, self._current, final=self._final)
+        backfill = self._backfill
+        if backfill is not None:
+            backfill.note(collectives, [(r.start_wall_ns, (r.end_mono_ns or r.start_mono_ns) + r.wall_offset_ns, r.step)
+                                        for r in done])
+            current = self._current
+            collectives += backfill.rows(None if current is None else (current.step, current.start_wall_ns),
+                                         final=self._final)
         return {Table.STEPS: steps, Table.PHASES: phases, Table.COLLECTIVES: collectives}
+
+    def _append_loose(self, row: Row) -> None:
+        """A row of an operation outside a step, written as it exits (the tracker's `append`)."""
+        self._append_collective(row)
+        backfill = self._backfill
+        if backfill is not None:
+            backfill.note_loose(row)
+
+    def _unwritten(self) -> list[Interval]:
+        return [Interval(g, enter, end, asy) for g, op, enter, end, asy in self.tracker.unwritten()
+                if op not in ("send", "recv")]
+
+    def _c10d_groups(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """c10d group name -> (the table's name, ranks) of this rank's groups (`backfill`)."""
+        try:
+            from torch.distributed.distributed_c10d import _world
+
+            names = dict(_world.pg_names)
+        except Exception:
+            return {}
+        out = {}
+        for pg, c10d_name in names.items():
+            try:
+                info = self.tracker.info(pg)
+            except Exception:  # a group this rank is not in
+                continue
+            out[str(c10d_name)] = (info.name, tuple(info.ranks))
+        return out
 
     def _step_row(self, record: StepRecord) -> Row:
         start_mono, end_mono = record.start_mono_ns, record.end_mono_ns
@@ -977,6 +1033,18 @@ class Collector:
         for table, n in self._dropped.items():
             total[table] = total.get(table, 0) + n
         return total
+
+    def _report_backfill(self) -> None:
+        """A WARNING when Flight Recorder entries left its ring buffer before the writer read them (`backfill`):
+        the collectives no wrapper saw among them are missing from the table."""
+        backfill = self._backfill
+        if backfill is None or not backfill.lost:
+            return
+        self.event(EventKind.WARNING, message=(
+            f"collectives: {backfill.lost} Flight Recorder entries left its buffer of {flight.ring_size()} before "
+            f"they were read ({backfill.reads} reads, {backfill.read_ns / 1e6:.0f} ms; at most "
+            f"{self.config.flight_read_share:.1%} of the time): the collectives no wrapper saw among them (a "
+            "compiled graph's) are not in the table"))
 
     def _report_drops(self) -> None:
         """Record new drops (a DROPS event with the running total) and new failed writes (a WARNING: the rows are

@@ -16,13 +16,27 @@ no event.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FR_BUFFER_ENV", "Entry", "encode_counts", "entries", "issued", "issued_by_group"]
+__all__ = ["FR_BUFFER_ENV", "Dump", "Entry", "dump", "enabled", "encode_counts", "ring_size", "entries", "issued", "issued_by_group", "named", "status"]
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 """torch's switch for the Flight Recorder (torch/csrc/distributed/c10d/FlightRecorder.hpp): entries kept per rank."""
+
+
+def ring_size() -> int:
+    """Entries the Flight Recorder keeps, all groups together (``TORCH_FR_BUFFER_SIZE``; 0: off or not a number)."""
+    try:
+        return max(0, int(os.environ.get(FR_BUFFER_ENV, "0") or 0))
+    except ValueError:
+        return 0
+
+
+def enabled() -> bool:
+    """The Flight Recorder is on in this process (``TORCH_FR_BUFFER_SIZE`` > 0, read by torch when a group is made)."""
+    return ring_size() > 0
 
 
 def issued() -> dict[str, int]:
@@ -33,24 +47,14 @@ def issued() -> dict[str, int]:
     created in), not by its name; the entries carry both (``pg_id`` and ``process_group`` = [name, description]),
     so the ids are named from the entries still in the ring buffer. A group none of whose entries is left there
     gets no count (nothing is compared for it, rather than a wrong number)."""
-    try:
-        import torch
+    found = dump()
+    return {} if found is None else named(found)
 
-        dump = json.loads(getattr(torch._C._distributed_c10d, "_dump_fr_trace_json")(True, False))
-        names: dict[str, str] = {}
-        for e in dump.get("entries") or ():
-            pg = e.get("process_group") or ()
-            if pg and "pg_id" in e:
-                names[str(e["pg_id"])] = str(pg[0])
-        out: dict[str, int] = {}
-        for pg_id, s in (dump.get("pg_status") or {}).items():
-            n = int(s.get("last_enqueued_collective", -1))
-            name = names.get(str(pg_id))
-            if n >= 0 and name is not None:
-                out[name] = n
-        return out
-    except Exception:
-        return {}
+
+def named(found: Dump) -> dict[str, int]:
+    """`found`'s last enqueued collective per group, by c10d group name (the groups with an entry in it)."""
+    names = {e.pg_id: e.group for e in found.entries}
+    return {names[pg_id]: n for pg_id, n in found.last.items() if pg_id in names}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,11 +69,80 @@ class Entry:
     """``time_created_ns``: when it was enqueued (wall clock; c10d's getTime)."""
     nbytes: int
     """Input bytes (element count of ``input_sizes`` times the size of each ``input_dtypes`` entry)."""
+    group: str = ""
+    """Its process group's c10d name (``process_group[0]``)."""
+    pg_id: str = ""
+    """Its process group's id in this process (``pg_id``: the key of ``pg_status``)."""
+    dtype: str = ""
+    """The first ``input_dtypes`` entry (c10's ScalarType name: "Float", "BFloat16", ...)."""
+    device_ns: int | None = None
+    """``duration_ms`` as nanoseconds: the device time NCCL's CUDA events measured (``TORCH_NCCL_ENABLE_TIMING``);
+    None where none was measured (gloo; NCCL without timing; not completed yet)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Dump:
+    """The Flight Recorder's collectives (point-to-point left out) and, per group id, the last collective enqueued."""
+
+    entries: tuple[Entry, ...]
+    last: dict[str, int]
 
 
 _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
                 "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16}
 """Sizes of the dtype names in ``input_dtypes`` (c10's ScalarType names); others count as 1 byte an element."""
+
+
+def _read(include_entries: bool) -> dict[str, Any]:
+    import torch
+
+    return dict(json.loads(getattr(torch._C._distributed_c10d, "_dump_fr_trace_json")(include_entries, False)))
+
+
+def _last(raw: dict[str, Any]) -> dict[str, int]:
+    out = {}
+    for pg_id, s in (raw.get("pg_status") or {}).items():
+        n = int(s.get("last_enqueued_collective", -1))
+        if n >= 0:
+            out[str(pg_id)] = n
+    return out
+
+
+def _entry(e: dict[str, Any]) -> Entry:
+    nbytes = 0
+    for size, dtype in zip(e.get("input_sizes") or (), e.get("input_dtypes") or ()):
+        n = 1
+        for d in size:
+            n *= int(d)
+        nbytes += n * _DTYPE_BYTES.get(str(dtype), 1)
+    pg = e.get("process_group") or ["", ""]
+    dtypes = e.get("input_dtypes") or ()
+    ms = e.get("duration_ms")
+    return Entry(seq=int(e.get("collective_seq_id", -1)), op=str(e.get("profiling_name", "?")).split(":", 1)[-1],
+                 created_ns=int(e.get("time_created_ns", 0)), nbytes=nbytes, group=str(pg[0]),
+                 pg_id=str(e.get("pg_id", "")), dtype=str(dtypes[0]) if dtypes else "",
+                 device_ns=None if ms is None else int(float(ms) * 1e6))
+
+
+def status() -> dict[str, int]:
+    """Per group id (``pg_id``), the last collective enqueued (``pg_status``), read without the entries (~0.1 ms);
+    empty when the Flight Recorder is off or this torch has none. Never raises."""
+    try:
+        return _last(_read(False))
+    except Exception:
+        return {}
+
+
+def dump() -> Dump | None:
+    """The whole ring buffer's collectives, in sequence order per group, and the groups' last enqueued; None when the
+    Flight Recorder is off or unreadable. Milliseconds at thousands of entries: for the writer thread or rare calls.
+    Never raises."""
+    try:
+        raw = _read(True)
+        found = [_entry(e) for e in raw.get("entries") or () if not e.get("is_p2p")]
+        return Dump(entries=tuple(sorted(found, key=lambda x: (x.pg_id, x.seq))), last=_last(raw))
+    except Exception:
+        return None
 
 
 def entries(group_name: str, first_seq: int, last_seq: int) -> list[Entry]:
@@ -78,27 +151,10 @@ def entries(group_name: str, first_seq: int, last_seq: int) -> list[Entry]:
     collective. Never raises."""
     if last_seq < first_seq:
         return []
-    try:
-        import torch
-
-        dump = json.loads(getattr(torch._C._distributed_c10d, "_dump_fr_trace_json")(True, False))
-        out = []
-        for e in dump.get("entries") or ():
-            pg = e.get("process_group") or ["", ""]
-            seq = int(e.get("collective_seq_id", -1))
-            if str(pg[0]) != group_name or e.get("is_p2p") or not first_seq <= seq <= last_seq:
-                continue
-            nbytes = 0
-            for size, dtype in zip(e.get("input_sizes") or (), e.get("input_dtypes") or ()):
-                n = 1
-                for d in size:
-                    n *= int(d)
-                nbytes += n * _DTYPE_BYTES.get(str(dtype), 1)
-            out.append(Entry(seq=seq, op=str(e.get("profiling_name", "?")).split(":", 1)[-1],
-                             created_ns=int(e.get("time_created_ns", 0)), nbytes=nbytes))
-        return sorted(out, key=lambda x: x.seq)
-    except Exception:
+    found = dump()
+    if found is None:
         return []
+    return [e for e in found.entries if e.group == group_name and first_seq <= e.seq <= last_seq]
 
 
 def issued_by_group(counts: dict[str, int], tracker: Any) -> dict[str, int]:

@@ -115,6 +115,14 @@ def whatif_of(con: duckdb.DuckDBPyConnection, *, run_dir: Path | str, steps: tup
                            "exit_mono_ns, enter_wall_ns, exit_wall_ns FROM collectives WHERE exit_mono_ns IS NOT NULL "
                            "AND enter_mono_ns IS NOT NULL AND enter_wall_ns IS NOT NULL AND exit_wall_ns IS NOT NULL "
                            f"AND (step BETWEEN {min(window) - 1} AND {max(window)} OR step < 0)")
+    if queries.has_untimed(con):  # a compiled graph's collectives: blocking, ending as their last member arrives
+        untimed = queries._frame(con, f"""
+            SELECT rank, op, "group", group_ranks, NULL::INTEGER AS peer, bytes, false AS async_op, enter_mono_ns,
+                   enter_mono_ns + (last_ns - enter_wall_ns) AS exit_mono_ns, enter_wall_ns, last_ns AS exit_wall_ns
+            FROM ({queries.untimed_arrivals_sql()})
+            WHERE attempt = {attempt} AND step BETWEEN {min(window) - 1} AND {max(window)}""")
+        if untimed.height:
+            colls = pl.concat([colls, untimed], how="vertical_relaxed")
     data = _spans(con, "SELECT rank, start_mono_ns AS s, start_mono_ns + duration_ns AS e FROM phases "
                        "WHERE phase = 'data'", Table.PHASES in tables)
     ckpt = _spans(con, "SELECT rank, start_mono_ns AS s, end_mono_ns AS e FROM checkpoint_phases",
