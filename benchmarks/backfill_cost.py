@@ -65,12 +65,12 @@ def _child(steps: int, collectives: int, compiled: int, share: float) -> None:
     backfill = c._backfill
     assert backfill is not None, "the Flight Recorder is off"
     cost: list[int] = []
-    rows = backfill.rows
+    look = backfill.rows
 
     def timed(*args: object, **kwargs: object) -> list[tuple[object, ...]]:
         t = time.thread_time_ns()
         try:
-            return rows(*args, **kwargs)  # type: ignore[arg-type]
+            return look(*args, **kwargs)  # type: ignore[arg-type]
         finally:
             cost.append(time.thread_time_ns() - t)
 

@@ -103,6 +103,30 @@ def test_a_slow_rank_in_a_compiled_model_is_named_and_not_its_tensor_parallel_pe
     assert incident.impact is not None and incident.impact.share is not None and incident.impact.share > 0.1, incident
 
 
+def test_a_hang_in_a_compiled_model_leaves_its_tensor_parallel_peer_waiting_in_the_group(tmp_path: Path) -> None:
+    """Rank 1 stops inside step 10, blocks compiled: rank 0 blocks inside a compiled graph's all-reduce, in no
+    operation of the collector's. Its liveness record says it waits in their tensor-parallel group (the Flight
+    Recorder counts one collective enqueued there and not completed); rank 1's says nothing of the kind; the
+    analysis names rank 1 alone."""
+    from rankwatch.collector.collector import ENQUEUED_OP
+
+    with running(tmp_path, "fsdp_tp_2d", "--compile", steps=40,
+                 env={"FAULT_HANG_RANK": "1", "FAULT_HANG_STEP": "10"}) as job:
+        live_record(job.run_dir, 0, min_step=9)
+        deadline = time.monotonic() + 60
+        while True:
+            peer, hung = live_record(job.run_dir, 0), live_record(job.run_dir, 1)
+            if peer.collective is not None and peer.collective.op == ENQUEUED_OP or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert peer.collective is not None and (peer.collective.op, peer.collective.group, peer.collective.ranks) == (
+            ENQUEUED_OP, "tp.dp0", (0, 1)), peer
+        assert hung.collective is None and hung.last_step == 9, hung
+        time.sleep(3)  # the records beat on while the job hangs
+        job.kill()
+    only(analyze(job.run_dir), IncidentClass.HANG, 1)
+
+
 # -- stragglers -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("example", EXAMPLES)

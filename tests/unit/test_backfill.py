@@ -186,6 +186,20 @@ def test_reads_wait_for_their_budget_and_the_last_call_reads_whatever_it_costs(
     assert [r[3] for r in b.rows(None, final=True)] == [-4, -5, -6, -7] and fr.dumps == 2
 
 
+def test_a_rank_in_none_of_its_own_operations_waits_in_the_oldest_collective_torch_has_not_completed() -> None:
+    fr = FakeRecorder()
+    b = backfill(fr)
+    assert b.waiting(lambda: {}) is None
+    assert b.waiting(lambda: {"0": (41, 42)}) is None  # a group no entry has named yet: nothing said
+    b.closing = True
+    fr.add(entry(40, 1_000_000))
+    b.rows(None, final=True)  # learns the id from the entries
+    b._ids["1"] = "1"
+    b._groups["1"] = ("tp0", (0, 1))
+    assert b.waiting(lambda: {"0": (41, 42), "1": (7, 7)}) == ("tp0", (0, 1), 7)
+    assert b.waiting(lambda: {"0": (41, 42)}) == ("world", (0, 1, 2, 3), 41)
+
+
 _COMPILED = """
 import json, sys
 from datetime import timedelta

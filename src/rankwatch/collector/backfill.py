@@ -213,6 +213,28 @@ class Backfill:
             loose, self._loose = list(self._loose), deque()
         self._history += loose
 
+    def waiting(self, outstanding: Callable[[], dict[str, tuple[int, int]]] = flight.outstanding
+                ) -> tuple[str, tuple[int, ...], int] | None:
+        """(the table's group, its ranks, torch's collective_seq_id) of the first collective enqueued and not
+        completed on a group the collector knows (one such group, where several have one), for the liveness record of a rank none of whose own operations
+        is open: a compiled graph's collective it waits in, or an asynchronous one it waits on through torch. Any
+        thread; never raises."""
+        try:
+            found = []
+            for pg_id, (first, _) in outstanding().items():
+                name = self._ids.get(pg_id)
+                if name is None:
+                    continue
+                group = self._groups.get(name) or self._groups_fn().get(name)
+                if group is not None:
+                    found.append((first, group))
+            if not found:
+                return None
+            first, (table_name, ranks) = min(found)
+            return table_name, ranks, first
+        except Exception:
+            return None
+
     # -- the look at every flush ---------------------------------------------------------------------------
     def rows(self, current: tuple[int, int] | None, *, final: bool = False) -> list[Row]:
         """Rows of the collectives enqueued since the last look that nothing recorded; `current`: (step, start

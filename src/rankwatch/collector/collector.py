@@ -79,6 +79,13 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+ENQUEUED_OP = "enqueued"
+"""The liveness record's operation for a rank in none of its own operations while its group has a collective torch
+enqueued and not completed (`Backfill.waiting`): a compiled graph's collective it waits in, or an asynchronous one
+it waits on through torch, not through the collector. Its sequence number is unknown (null): torch's numbering is
+not the collector's."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CollectorConfig:
     run_dir: Path
@@ -1115,6 +1122,16 @@ class Collector:
             doc[LiveField.COLLECTIVE_WALL_NS] = wall - opened
             if exception is not None or opened >= min(self.config.inflight_after_s, self.config.heartbeat_interval_s) * 1e9:
                 doc[LiveField.COLLECTIVE_RANKS] = list(o.group.ranks)
+        elif exception is None and current is not None and self._backfill is not None:
+            # in no operation of its own, a step running long: a collective torch has not completed on one of its
+            # groups, if any (the Flight Recorder's counts, ~0.1 ms; read only while a step overruns)
+            overrun = max(2 * durations[len(durations) // 2] if durations else 0, int(self.config.inflight_after_s * 1e9))
+            if wall - current.start_wall_ns >= overrun:
+                found = self._backfill.waiting()
+                if found is not None:
+                    doc[LiveField.COLLECTIVE_OP] = ENQUEUED_OP
+                    doc[LiveField.COLLECTIVE_GROUP] = found[0]
+                    doc[LiveField.COLLECTIVE_RANKS] = list(found[1])
         return doc
 
     def _emit_gpu(self, sample: GpuSample) -> None:

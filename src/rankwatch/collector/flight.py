@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FR_BUFFER_ENV", "Dump", "Entry", "dump", "enabled", "encode_counts", "ring_size", "entries", "issued", "issued_by_group", "named", "status"]
+__all__ = ["FR_BUFFER_ENV", "Dump", "Entry", "dump", "enabled", "encode_counts", "ring_size", "entries", "issued", "issued_by_group", "named", "outstanding", "status"]
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 """torch's switch for the Flight Recorder (torch/csrc/distributed/c10d/FlightRecorder.hpp): entries kept per rank."""
@@ -129,6 +129,23 @@ def status() -> dict[str, int]:
     empty when the Flight Recorder is off or this torch has none. Never raises."""
     try:
         return _last(_read(False))
+    except Exception:
+        return {}
+
+
+def outstanding() -> dict[str, tuple[int, int]]:
+    """Per group id (``pg_id``), (the first collective not completed, the last enqueued) where the group has
+    collectives enqueued and not completed (``pg_status``'s ``last_completed_collective`` and
+    ``last_enqueued_collective``); read without the entries. Empty when none, or the Flight Recorder is off. Never
+    raises."""
+    try:
+        out = {}
+        for pg_id, s in (_read(False).get("pg_status") or {}).items():
+            enqueued = int(s.get("last_enqueued_collective", -1))
+            completed = int(s.get("last_completed_collective", -1))
+            if enqueued > completed >= -1 and enqueued > 0:
+                out[str(pg_id)] = (max(completed, 0) + 1, enqueued)
+        return out
     except Exception:
         return {}
 
