@@ -216,9 +216,9 @@ class Backfill:
     def waiting(self, outstanding: Callable[[], dict[str, tuple[int, int]]] = flight.outstanding
                 ) -> tuple[str, tuple[int, ...], int] | None:
         """(the table's group, its ranks, torch's collective_seq_id) of the first collective enqueued and not
-        completed on a group the collector knows (one such group, where several have one), for the liveness record of a rank none of whose own operations
-        is open: a compiled graph's collective it waits in, or an asynchronous one it waits on through torch. Any
-        thread; never raises."""
+        completed on a group the collector knows (one such group, where several have one), for the liveness record
+        of a rank none of whose own operations is open: a compiled graph's collective it waits in, or an
+        asynchronous one it waits on through torch. Any thread; never raises."""
         try:
             found = []
             for pg_id, (first, _) in outstanding().items():
