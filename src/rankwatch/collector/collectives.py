@@ -768,27 +768,26 @@ class CollectiveTracker:
         return hook
 
     # -- state for the writer and heartbeats ---------------------------------------------------------
-    def _open_now(self) -> list[_Open]:
-        """Operations entered and not exited (a copy: other threads add and remove them meanwhile). Call with the
-        lock held: the writer hands records back to the pool under it, so none of these is reused meanwhile."""
+    def _entered_unwritten(self) -> list[_Open]:
+        """Operations entered and not yet written (a copy: other threads add and remove them meanwhile). Call with
+        the lock held: the writer hands records back to the pool under it, so none of these is reused meanwhile."""
         candidates = list(self._live) + self._late
         current = self._current
         if current is not None:
             self.claim(current)
             candidates += current.ops[current.written :]
-        return [o for o in candidates if hasattr(o, "enter_mono") and o.exit_mono is None]
+        return [o for o in candidates if hasattr(o, "enter_mono")]
+
+    def _open_now(self) -> list[_Open]:
+        """Operations entered and not exited (`_entered_unwritten`'s that have not exited; with the lock held)."""
+        return [o for o in self._entered_unwritten() if o.exit_mono is None]
 
     def unwritten(self) -> list[tuple[str, str, int, int | None, bool]]:
-        """(group, op, enter wall, exit wall or None while open, async_op) of every operation entered and not yet written, and
-        of the C++ call the training thread is inside (`enter_call`, open): what may have enqueued collectives the
+        """(group, op, enter wall, exit wall or None while open, async_op) of every operation entered and not yet
+        written, and of the C++ call the training thread is inside (`enter_call`, open): what may have enqueued collectives the
         writer has not seen rows of (`backfill`). Writer thread."""
         with self._lock:
-            candidates = list(self._live) + self._late
-            current = self._current
-            if current is not None:
-                self.claim(current)
-                candidates += current.ops[current.written :]
-            rows: list[Any] = [self._row(o) for o in candidates if hasattr(o, "enter_mono")]
+            rows: list[Any] = [self._row(o) for o in self._entered_unwritten()]
             calling = self._calling
         out: list[tuple[str, str, int, int | None, bool]] = [(r[5], r[4], r[11], r[13], bool(r[10])) for r in rows]
         if calling is not None:

@@ -794,20 +794,7 @@ class Collector:
 
     def _c10d_groups(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """c10d group name -> (the table's name, ranks) of this rank's groups (`backfill`)."""
-        try:
-            from torch.distributed.distributed_c10d import _world
-
-            names = dict(_world.pg_names)
-        except Exception:
-            return {}
-        out = {}
-        for pg, c10d_name in names.items():
-            try:
-                info = self.tracker.info(pg)
-            except Exception:  # a group this rank is not in
-                continue
-            out[str(c10d_name)] = (info.name, tuple(info.ranks))
-        return out
+        return {c10d: (info.name, tuple(info.ranks)) for c10d, info in flight.table_groups(self.tracker).items()}
 
     def _step_row(self, record: StepRecord) -> Row:
         start_mono, end_mono = record.start_mono_ns, record.end_mono_ns

@@ -20,7 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FR_BUFFER_ENV", "Dump", "Entry", "dump", "enabled", "encode_counts", "ring_size", "entries", "issued", "issued_by_group", "named", "outstanding", "status"]
+__all__ = ["FR_BUFFER_ENV", "Dump", "Entry", "dump", "enabled", "encode_counts", "ring_size", "entries", "issued", "issued_by_group", "named", "outstanding", "status",
+           "table_groups"]
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 """torch's switch for the Flight Recorder (torch/csrc/distributed/c10d/FlightRecorder.hpp): entries kept per rank."""
@@ -174,25 +175,32 @@ def entries(group_name: str, first_seq: int, last_seq: int) -> list[Entry]:
     return [e for e in found.entries if e.group == group_name and first_seq <= e.seq <= last_seq]
 
 
-def issued_by_group(counts: dict[str, int], tracker: Any) -> dict[str, int]:
-    """`counts` (by c10d group name) under the names the tracker's rows use (`CollectiveTracker.info`), for the groups
-    this rank belongs to."""
+def table_groups(tracker: Any, only: set[str] | None = None) -> dict[str, Any]:
+    """c10d group name -> the tracker's `GroupInfo` (`CollectiveTracker.info`: the names its rows use) of the groups
+    this rank belongs to; with `only`, of those c10d names alone."""
     try:
         from torch.distributed.distributed_c10d import _world
 
         names = dict(_world.pg_names)
     except Exception:
         return {}
-    out: dict[str, int] = {}
+    out: dict[str, Any] = {}
     for pg, c10d_name in names.items():
-        n = counts.get(str(c10d_name))
-        if n is None:
+        if only is not None and str(c10d_name) not in only:
             continue
         try:
-            info = tracker.info(pg)
+            out[str(c10d_name)] = tracker.info(pg)
         except Exception:  # a group this rank is not in
             continue
-        out[info.name] = out.get(info.name, 0) + n
+    return out
+
+
+def issued_by_group(counts: dict[str, int], tracker: Any) -> dict[str, int]:
+    """`counts` (by c10d group name) under the names the tracker's rows use (`CollectiveTracker.info`), for the groups
+    this rank belongs to."""
+    out: dict[str, int] = {}
+    for c10d_name, info in table_groups(tracker, set(counts)).items():
+        out[info.name] = out.get(info.name, 0) + counts[c10d_name]
     return out
 
 
