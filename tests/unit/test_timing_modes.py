@@ -208,3 +208,71 @@ def test_cpu_clock_misses_gpu_stragglers(fixture: str, request: pytest.FixtureRe
     assert not [i for i in found if i.klass is IncidentClass.STRAGGLER and SLOW in i.ranks]
     found = analyze_mod.analyze(run, clock=frames.Clock.AUTO).incidents
     assert [i for i in found if i.klass is IncidentClass.STRAGGLER and SLOW in i.ranks]
+
+
+@pytest.fixture(scope="module")
+def device_clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("device_clean")
+    simulate(_cfg(), out)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_what_if_replays_a_gpu_run_on_its_devices(device_slow: Path, host_stall: Path, device_clean: Path,
+                                                       tmp_path: Path) -> None:
+    """On a CUDA run the what-if reads each rank's device: its S matches the measured ratio to the same run without
+    the fault (the summed device step time of the slowest rank, steps 20..59), the slow device's rank is what fixing
+    saves most, a host stall (the device idles waiting for its host) costs as much, and a clean run costs nothing.
+    Every incident of the slow run carries a measured impact (it was UNMEASURED: a device-timed run)."""
+    from rankwatch.analytics.analyze import analyze
+    from rankwatch.analytics.incidents import ImpactBasis
+    from rankwatch.analytics.whatif import whatif
+
+    def measured(run: Path) -> float:
+        return max(_summed(run).values())
+
+    clean = whatif(device_clean, steps=(20, 59))
+    assert clean.clock == "device" and clean.slowdown < 1.03
+    assert 0.98 < clean.fidelity < 1.02
+    for run in (device_slow, host_stall):
+        w = whatif(run, steps=(20, 59))
+        assert w.clock == "device" and w.by_rank[0].subject == f"rank:{SLOW}"
+        ratio = measured(run) / measured(device_clean)
+        assert ratio > 1.05 and abs(w.slowdown / ratio - 1) < 0.10, (w.slowdown, ratio)
+    slow = [i for i in analyze(device_slow).incidents if SLOW in i.ranks]
+    assert slow and all(i.impact is not None and i.impact.basis is ImpactBasis.WHATIF for i in slow)
+    assert slow[0].impact is not None and slow[0].impact.share > 0.03
+    assert [i for i in analyze(device_clean).incidents if i.klass is IncidentClass.STRAGGLER] == []
+
+
+def _summed(run: Path) -> dict[int, float]:
+    return dict(connect(run).execute("select rank, sum(device_ns) from steps where step between 20 and 59 "
+                                     "group by rank").fetchall())
+
+
+@pytest.mark.timeout(60)
+def test_a_step_with_unresolved_device_events_is_left_out_of_the_device_replay(device_clean: Path,
+                                                                              tmp_path: Path) -> None:
+    """A rank whose CUDA events for one collective were dropped unresolved (null device start): that step cannot be
+    placed on its device's clock, so the replay leaves it out, says so, and replays the rest."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from rankwatch.analytics.whatif import whatif
+
+    run = tmp_path / "run"
+    shutil.copytree(device_clean, run)
+    part = next((run / "telemetry" / "collectives" / "rank=5").glob("*.parquet"))
+    table = pq.read_table(part)
+    hit = pc.and_(pc.equal(table["step"], 30), pc.equal(table["seq"], 0))
+    col = table.schema.get_field_index("device_start_ns")
+    dropped = pc.if_else(hit, pa.scalar(None, pa.int64()), table["device_start_ns"])
+    pq.write_table(table.set_column(col, table.schema.field(col), dropped), part)
+    w = whatif(run, steps=(20, 39))
+    assert w.clock == "device" and (w.first_step, w.last_step) == (20, 39)
+    assert [x for x in w.warnings if "1 step(s) of the window left out of the device-clock replay" in x
+            and "(steps 30)" in x]
+    assert sum(1 for s, _ in w.step_ns if s == 30) == 0 and len(w.step_ns) == 19

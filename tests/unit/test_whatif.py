@@ -225,3 +225,30 @@ def test_an_async_operation_still_in_flight_is_waited_for_not_worked_for() -> No
     zero_fix, one_fix = c.shares([c.rank_spec("rank:0", [0], own=True), c.rank_spec("rank:1", [1], own=True)])
     assert zero_fix.saved_ns == 0.0
     assert one_fix.saved_ns == 35.0
+
+
+def test_on_device_clocks_no_clock_is_shared_and_the_transfer_is_the_least_time_inside() -> None:
+    """Two ranks of one host meet in an all-reduce: rank 0 inside from 0 to 30, rank 1 from 20 to 25. On their host's
+    clock (CPU timing) the transfer is the median member's time from the last start (7.5: rank 0 took longer to see
+    it done) and rank 0's 2.5 past the transfer's end is its own lateness (an `exit` item). On device clocks no two
+    ranks' times compare: the transfer is the least device time inside (5, the last kernel to start waited for no
+    peer) and no lateness is read."""
+    import polars as pl
+
+    from rankwatch.analytics.whatif.build import RankSteps, build_graph
+
+    def rank(r: int, enter: int, exit_: int) -> RankSteps:
+        ops = pl.DataFrame({"op": ["all_reduce"], "group": ["dp"], "group_ranks": [[0, 1]], "peer": [None],
+                            "bytes": [8], "async_op": [False], "enter_mono_ns": [enter], "exit_mono_ns": [exit_],
+                            "enter_wall_ns": [enter], "exit_wall_ns": [exit_]}, schema_overrides={"peer": pl.Int64})
+        return RankSteps(rank=r, stage=0, host="h", steps=pl.DataFrame(
+            {"step": [0], "start_mono_ns": [0], "end_mono_ns": [35], "checkpoint_ns": [0]}),
+            collectives=ops, data=[], checkpoint=[])
+
+    ranks = [rank(0, 0, 30), rank(1, 20, 25)]
+    host = build_graph(ranks, {"dp": "dp"})
+    device = build_graph(ranks, {"dp": "dp"}, shared_clock=False)
+    assert host.transfer_ns.tolist() == [7.5] and device.transfer_ns.tolist() == [5.0]
+    lateness = [host.work_ns[w.id] for w in host.work if w.kind == "exit"]
+    assert lateness == [2.5, 0.0]
+    assert not [w for w in device.work if w.kind == "exit"]

@@ -23,7 +23,7 @@ from rankwatch.analytics.divergence import detect_divergence, per_rank_notes, pe
 from rankwatch.analytics.failstop import FailStopConfig, detect_failstops
 from rankwatch.analytics.frames import Clock, Frames
 from rankwatch.analytics.hardware import attribute_device_faults
-from rankwatch.analytics.impact import CostConfig, costed, replay_problem
+from rankwatch.analytics.impact import CostConfig, costed
 from rankwatch.analytics.incidents import Incident, IncidentClass, sort_incidents, write_incidents
 from rankwatch.analytics.whatif import Replayed, whatif_of
 from rankwatch.analytics.localize import RunObservation
@@ -225,14 +225,11 @@ def _replayed(con: duckdb.DuckDBPyConnection, run: Path, frames: Frames, inciden
               config: CostConfig) -> tuple[Replayed | None, str]:
     """The analysed window's what-if, or why there is none (a window no replay can run over is no error of the
     analysis: a run cut short by a failure has its incidents without a cost)."""
-    problem = replay_problem(frames)
-    if problem is not None:
-        return None, problem
     named = sorted({r for i in incidents if i.klass in (IncidentClass.STRAGGLER, IncidentClass.IMBALANCE)
                     for r in i.ranks})
     try:
         return whatif_of(con, run_dir=run, max_ops=config.max_ops, rank_subjects=config.rank_subjects,
-                         named=named), ""
+                         named=named, clock=frames.clock), ""
     except ValueError as exc:  # WhatIfInputError, or a replay that cannot run to its end
         return None, f"the window was not replayed: {exc}"
     except duckdb.Error as exc:

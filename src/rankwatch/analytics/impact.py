@@ -21,8 +21,8 @@ work at its peers' pace? `costed` runs after the detectors:
   `rankwatch goodput`), which no replay of the steps that ran measures: its impact says so (`UNMEASURED`), as does
   every incident where the window could not be replayed, with the reason.
 
-The what-if reads each rank's CPU clock; on a device-timed run (a CUDA job, `Frames.clock` DEVICE) the CPU times are
-enqueueing, and nothing is costed (a device-timed replay is not built yet).
+The what-if reads the analysis' clock (`Frames.clock`): each rank's training thread, or on a device-timed run (a
+CUDA job, where the CPU's times are enqueueing) each rank's device (`analytics.whatif`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from rankwatch.analytics.frames import Clock, Frames
+from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import (
     Cause, Evidence, Impact, ImpactBasis, Incident, IncidentClass, Subject, SubjectKind, sort_incidents,
 )
 from rankwatch.analytics.whatif import Replayed, Share
 from rankwatch.analytics.whatif.analysis import Spec
 
-__all__ = ["CostConfig", "costed", "replay_problem"]
+__all__ = ["CostConfig", "costed"]
 
 _TIMING = frozenset({IncidentClass.STRAGGLER, IncidentClass.IMBALANCE})
 _RESAMPLES = 1000
@@ -286,10 +286,3 @@ def _measured(incident: Incident, share: Share, lost_ns: float, first: int, repl
     return Impact(basis=ImpactBasis.WHATIF, lost_s=lost / 1e9, gpu_hours=lost / 1e9 * w.ranks / 3600.0,
                   share=lost / span if span > 0 else 0.0, slowdown=share.slowdown, first_step=first,
                   last_step=w.last_step, note=note)
-
-
-def replay_problem(frames: Frames) -> str | None:
-    """Why a window is not replayed on this clock (None: it is)."""
-    if frames.clock is Clock.DEVICE:
-        return ("a device-timed run: its CPU times are enqueueing, and a device-timed what-if is not built yet")
-    return None

@@ -200,7 +200,7 @@ _MATERIALIZED: dict[Table, str] = {
     Table.TOPOLOGY: "*",
     Table.STEPS: "*",
     Table.EVENTS: "*",
-    Table.COLLECTIVES: "* EXCLUDE (dtype, device_start_ns)",
+    Table.COLLECTIVES: "* EXCLUDE (dtype)",
     Table.FINGERPRINTS: "*",
     Table.CHECKPOINT_PHASES: "*",
 }

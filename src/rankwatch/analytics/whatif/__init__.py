@@ -9,6 +9,15 @@ program, replays it as measured and with chosen durations made ideal, and return
 
 The default window is every step each rank of the attempt completed, less the first (its lazy initialization is
 no one's slowness) when there are more than three.
+
+On a device-timed run (a CUDA job: every rank's steps carry `device_ns`, `queries.run_clock`) the CPU's times are
+enqueueing, and the replay reads each rank's device instead: its steps laid end to end on its device's clock
+(`steps.device_ns`), each collective where its device reached it (`collectives.device_start_ns`, from the step's
+start event) for as long as its device spent in it (`device_duration_ns`). A rank's work between two operations is
+then what its device did (or idled, waiting for its host: a host stall or a dataloader wait is the device's idle
+time, and costs the job as much), all counted as compute: the dataloader and checkpoint phases carry no device start
+to place them. Collectives without device events (a compiled graph's, read from the Flight Recorder) are their
+ranks' compute, with a warning; a step where some rank's operation has no resolved device events is left out.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
+from rankwatch.analytics.frames import Clock
 from rankwatch.analytics.whatif.analysis import Costing, Share, WhatIf, analyze_graph
 from rankwatch.analytics.whatif.build import RankSteps, WhatIfInputError, build_graph
 from rankwatch.analytics.whatif.graph import Graph, replay
@@ -40,12 +50,14 @@ def parse_steps(text: str) -> tuple[int, int]:
     return a, b
 
 
-def whatif(run_dir: Path | str, *, steps: tuple[int, int] | None = None, attempt: int | None = None) -> WhatIf:
+def whatif(run_dir: Path | str, *, steps: tuple[int, int] | None = None, attempt: int | None = None,
+           clock: Clock | None = None) -> WhatIf:
     """The what-if of one attempt of a run over a window of steps (module docstring). `WhatIfInputError` (a
-    ValueError) when the run holds no such steps, or not on every rank."""
+    ValueError) when the run holds no such steps, or not on every rank. `clock` None: the run's
+    (`queries.run_clock`)."""
     from rankwatch.analytics.store import connect
 
-    return whatif_of(connect(run_dir), run_dir=run_dir, steps=steps, attempt=attempt).whatif
+    return whatif_of(connect(run_dir), run_dir=run_dir, steps=steps, attempt=attempt, clock=clock).whatif
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +70,12 @@ class Replayed:
 
 def whatif_of(con: duckdb.DuckDBPyConnection, *, run_dir: Path | str, steps: tuple[int, int] | None = None,
               attempt: int | None = None, max_ops: int | None = None, rank_subjects: int | None = None,
-              named: Sequence[int] = ()) -> Replayed:
+              named: Sequence[int] = (), clock: Clock | None = None) -> Replayed:
     """`whatif` over a connection that already has the run's tables (an analysis' store), with its `Costing`.
     With `max_ops`, a default window whose collectives exceed it keeps only its latest steps that fit (a warning
-    says which); `rank_subjects` and `named` bound the ranks costed one by one (`analyze_graph`)."""
+    says which); `rank_subjects` and `named` bound the ranks costed one by one (`analyze_graph`). `clock`: the
+    clock to replay (None: the run's, `queries.run_clock`; a run that mixes device-timed and CPU ranks is replayed
+    on the CPU clock, with a warning)."""
     from rankwatch.analytics import queries
     from rankwatch.base.schema import Table
 
@@ -70,7 +84,9 @@ def whatif_of(con: duckdb.DuckDBPyConnection, *, run_dir: Path | str, steps: tup
     if missing:
         raise WhatIfInputError(f"{run_dir}: no {' or '.join(str(t) for t in missing)} recorded: nothing to replay")
     all_steps = queries._frame(con, "SELECT rank, attempt, step, start_mono_ns, end_mono_ns, "
-                               "coalesce(checkpoint_ns, 0) AS checkpoint_ns, device_compute_ns FROM steps")
+                               "coalesce(checkpoint_ns, 0) AS checkpoint_ns, device_ns FROM steps")
+    if clock is None or clock is Clock.AUTO:
+        clock, _ = queries.run_clock(con)
     if all_steps.height == 0:
         raise WhatIfInputError(f"{run_dir}: no step completed: nothing to replay")
     if attempt is None:
@@ -98,9 +114,10 @@ def whatif_of(con: duckdb.DuckDBPyConnection, *, run_dir: Path | str, steps: tup
     warnings: list[str] = []
     if max_ops is not None and steps is None:
         window = _fit(con, window, max_ops, warnings)
-    if rows["device_compute_ns"].null_count() < rows.height:
-        warnings.append("the run has device timing; the what-if reads the CPU clock, where a CUDA job's host times "
-                        "are enqueueing (a device-timed replay is not built yet)")
+    device = clock is Clock.DEVICE
+    if not device and rows["device_ns"].null_count() < rows.height:
+        warnings.append("the run has device timing on some ranks only; the what-if reads the CPU clock, where a CUDA "
+                        "job's host times are enqueueing")
     rows = rows.filter(pl.col("step").is_in(sorted(window))).sort("rank", "step")
     topo = queries.attempt_topology(con).filter(pl.col("attempt") == attempt)
     stage_of = {r: 0 for r in ranks}
@@ -111,6 +128,33 @@ def whatif_of(con: duckdb.DuckDBPyConnection, *, run_dir: Path | str, steps: tup
         if t["rank"] in host_of and t["host"] is not None:
             host_of[int(t["rank"])] = str(t["host"])
     kinds = {str(g["group"]): str(g["kind"]) for g in queries.groups(con).iter_rows(named=True)}
+    data = _spans(con, "SELECT rank, start_mono_ns AS s, start_mono_ns + duration_ns AS e FROM phases "
+                       "WHERE phase = 'data'", Table.PHASES in tables)
+    ckpt = _spans(con, "SELECT rank, start_mono_ns AS s, end_mono_ns AS e FROM checkpoint_phases",
+                  Table.CHECKPOINT_PHASES in tables)
+    if device:
+        per_rank, measured = _on_device(con, rows, ranks, window, ckpt, stage_of, host_of, warnings)
+    else:
+        per_rank, measured = _on_cpu(con, rows, ranks, window, attempt, data, ckpt, stage_of, host_of, warnings)
+    graph = build_graph(per_rank, kinds, shared_clock=not device)
+    costing = Costing(graph, stage_of=stage_of, host_of=host_of, shared_cpu=not device)
+    replayed = per_rank[0].steps["step"].to_list()  # the window less the steps a device replay left out
+    return Replayed(whatif=analyze_graph(graph, stage_of=stage_of, measured_ns=measured, first_step=min(replayed),
+                                         last_step=max(replayed), attempt=attempt, warnings=warnings, host_of=host_of,
+                                         rank_subjects=rank_subjects, named=named, costing=costing,
+                                         clock=str(clock)),
+                    costing=costing)
+
+
+_Spans = dict[int, list[tuple[int, int]]]
+
+
+def _on_cpu(con: duckdb.DuckDBPyConnection, rows: pl.DataFrame, ranks: list[int], window: set[int], attempt: int,
+            data: _Spans, ckpt: _Spans, stage_of: dict[int, int], host_of: dict[int, str],
+            warnings: list[str]) -> tuple[list[RankSteps], float]:
+    """Each rank's window on its training thread's clock, and the window's measured span (the module docstring)."""
+    from rankwatch.analytics import queries
+
     colls = queries._frame(con, 'SELECT rank, op, "group", group_ranks, peer, bytes, async_op, enter_mono_ns, '
                            "exit_mono_ns, enter_wall_ns, exit_wall_ns FROM collectives WHERE exit_mono_ns IS NOT NULL "
                            "AND enter_mono_ns IS NOT NULL AND enter_wall_ns IS NOT NULL AND exit_wall_ns IS NOT NULL "
@@ -123,10 +167,6 @@ def whatif_of(con: duckdb.DuckDBPyConnection, *, run_dir: Path | str, steps: tup
             WHERE attempt = {attempt} AND step BETWEEN {min(window) - 1} AND {max(window)}""")
         if untimed.height:
             colls = pl.concat([colls, untimed], how="vertical_relaxed")
-    data = _spans(con, "SELECT rank, start_mono_ns AS s, start_mono_ns + duration_ns AS e FROM phases "
-                       "WHERE phase = 'data'", Table.PHASES in tables)
-    ckpt = _spans(con, "SELECT rank, start_mono_ns AS s, end_mono_ns AS e FROM checkpoint_phases",
-                  Table.CHECKPOINT_PHASES in tables)
     colls = _without_save_groups(colls, ckpt, warnings)
     per_rank: list[RankSteps] = []
     measured = 0.0
@@ -139,12 +179,71 @@ def whatif_of(con: duckdb.DuckDBPyConnection, *, run_dir: Path | str, steps: tup
             rank=r, stage=stage_of[r], host=host_of[r], steps=mine.select("step", "start_mono_ns", "end_mono_ns", "checkpoint_ns"),
             collectives=ops, data=[(s, e) for s, e in data.get(r, []) if lo <= s <= hi],
             checkpoint=[(s, e) for s, e in ckpt.get(r, []) if lo <= s <= hi]))
-    graph = build_graph(per_rank, kinds)
-    costing = Costing(graph, stage_of=stage_of, host_of=host_of)
-    return Replayed(whatif=analyze_graph(graph, stage_of=stage_of, measured_ns=measured, first_step=min(window),
-                                         last_step=max(window), attempt=attempt, warnings=warnings, host_of=host_of,
-                                         rank_subjects=rank_subjects, named=named, costing=costing),
-                    costing=costing)
+    return per_rank, measured
+
+
+def _on_device(con: duckdb.DuckDBPyConnection, rows: pl.DataFrame, ranks: list[int], window: set[int],
+               ckpt: _Spans, stage_of: dict[int, int], host_of: dict[int, str],
+               warnings: list[str]) -> tuple[list[RankSteps], float]:
+    """Each rank's window on its device's clock (module docstring): steps end to end from 0, each operation at its
+    step's origin plus its device start. The measured span is the slowest rank's summed device step time."""
+    from rankwatch.analytics import queries
+
+    lo_step, hi_step = min(window), max(window)
+    colls = queries._frame(con, f"""
+        SELECT rank, step, op, "group", group_ranks, peer, bytes, async_op, status, enter_mono_ns, exit_mono_ns,
+               device_start_ns, device_duration_ns
+        FROM collectives WHERE step BETWEEN {lo_step} AND {hi_step} AND status IN ('ok', 'untimed')""")
+    bounds = rows.group_by("rank").agg(pl.col("start_mono_ns").min().alias("lo"), pl.col("end_mono_ns").max().alias("hi"))
+    colls = (colls.join(bounds, on="rank")  # this attempt's: entered inside the rank's window on its host clock
+             .filter((pl.col("enter_mono_ns") >= pl.col("lo")) & (pl.col("enter_mono_ns") <= pl.col("hi")))
+             .drop("lo", "hi"))
+    untimed = colls.filter(pl.col("status") == "untimed").height
+    if untimed:
+        warnings.append(f"{untimed:,} collectives of the window have no device events (a compiled graph's, read from "
+                        "the Flight Recorder): counted as their ranks' compute on the device clock")
+    colls = colls.filter(pl.col("status") == "ok")
+    unplaced = colls.filter(pl.col("device_start_ns").is_null() | pl.col("device_duration_ns").is_null())
+    steps_ok = rows.filter(pl.col("device_ns").is_not_null())
+    dropped = (set(rows["step"].to_list()) - set(_on_every_rank(steps_ok, len(ranks))))
+    dropped |= set(unplaced["step"].to_list())
+    if dropped:
+        warnings.append(f"{len(dropped)} step(s) of the window left out of the device-clock replay: some rank's step "
+                        f"or collective has no resolved device events (steps {_few(sorted(dropped))})")
+    kept = sorted(window - dropped)
+    if not kept:
+        raise WhatIfInputError("what-if: no step of the window has resolved device events on every rank")
+    rows = rows.filter(pl.col("step").is_in(kept))
+    colls = colls.filter(pl.col("step").is_in(kept))
+    colls = _without_save_groups(colls, ckpt, warnings)  # on the host clock: where a save's own group ran
+    per_rank: list[RankSteps] = []
+    measured = 0.0
+    for r in ranks:
+        mine = rows.filter(pl.col("rank") == r).sort("step")
+        dev = mine["device_ns"].cast(pl.Int64)
+        origin = dev.cum_sum() - dev
+        steps = pl.DataFrame({"step": mine["step"], "start_mono_ns": origin, "end_mono_ns": origin + dev,
+                              "checkpoint_ns": pl.Series([0] * mine.height, dtype=pl.Int64)})
+        measured = max(measured, float(dev.sum()))
+        ops = (colls.filter(pl.col("rank") == r)
+               .join(steps.select("step", pl.col("start_mono_ns").alias("origin")), on="step")
+               .with_columns(enter=pl.col("origin") + pl.col("device_start_ns"))
+               .with_columns(exit=pl.col("enter") + pl.col("device_duration_ns"))
+               .select("op", "group", "group_ranks", "peer", "bytes", "async_op",
+                       pl.col("enter").alias("enter_mono_ns"), pl.col("exit").alias("exit_mono_ns"),
+                       pl.col("enter").alias("enter_wall_ns"), pl.col("exit").alias("exit_wall_ns")))
+        per_rank.append(RankSteps(rank=r, stage=stage_of[r], host=host_of[r], steps=steps, collectives=ops, data=[],
+                                  checkpoint=[]))
+    return per_rank, measured
+
+
+def _on_every_rank(steps: pl.DataFrame, ranks: int) -> list[int]:
+    counts = steps.group_by("step").agg(pl.col("rank").n_unique().alias("n"))
+    return counts.filter(pl.col("n") == ranks)["step"].to_list()
+
+
+def _few(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:8])) + ("…" if len(steps) > 8 else "")
 
 
 def _without_save_groups(colls: pl.DataFrame, ckpt: dict[int, list[tuple[int, int]]],

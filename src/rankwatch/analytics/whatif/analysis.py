@@ -9,7 +9,9 @@ Definitions (after Lin et al., "Understanding Stragglers in Large Model Training
   rest as measured), as a share of T.
 * A rank's (and a host's) part is its work and, of each transfer among members on one host, the share of the
   transfer's excess charged to it (`_charges`: no wire to blame there; a process that loses its CPU holds the
-  ring). A transfer across hosts is its group's (a link).
+  ring). A transfer across hosts is its group's (a link). On device clocks (`Costing(shared_cpu=False)`) every
+  transfer is its group's: GPUs on one host move data over their own links (NVLink, PCIe), not their processes'
+  CPUs.
 * Stage partitioning: T_ideal against T_ideal with each stage's compute scaled to the mean stage's (the work
   re-partitioned evenly), as a share of T; a whole stage slower than the others is no single worker's issue and
   no median over the stage's own ranks removes it (and a straggler, made ideal first, does not pass for one).
@@ -78,6 +80,9 @@ class WhatIf:
     step_ns: tuple[tuple[int, float], ...] = ()
     """(step, its replayed duration as measured), in step order: what an incident's span is measured against."""
     warnings: tuple[str, ...] = field(default=())
+    clock: str = "cpu"
+    """Whose clock the durations are: 'cpu' (each rank's training thread) or 'device' (its GPU's, a CUDA run:
+    the CPU's times there are enqueueing)."""
 
     @property
     def slowdown(self) -> float:
@@ -96,7 +101,7 @@ class WhatIf:
         head = (f"steps {self.first_step}..{self.last_step}"
                 + (f" of attempt {self.attempt}" if self.attempt is not None else "") + f", {self.ranks} ranks: "
                 f"S = {self.slowdown:.3f} (T {self.actual_ns / 1e6:.1f} ms replayed, {self.measured_ns / 1e6:.1f} ms "
-                f"measured, ideal {self.ideal_ns / 1e6:.1f} ms; {self.lost_share:.1%} of the time lost to slowness)")
+                f"measured on the {self.clock} clock, ideal {self.ideal_ns / 1e6:.1f} ms; {self.lost_share:.1%} of the time lost to slowness)")
         lines = [head]
         for title, shares in (("rank", self.by_rank), ("stage", self.by_stage), ("host", self.by_host),
                               ("kind", self.by_kind),
@@ -117,7 +122,7 @@ class WhatIf:
     def to_dict(self) -> dict[str, Any]:
         return {
             "attempt": self.attempt, "first_step": self.first_step, "last_step": self.last_step, "ranks": self.ranks,
-            "slowdown": round(self.slowdown, 4), "lost_share": round(self.lost_share, 4),
+            "clock": self.clock, "slowdown": round(self.slowdown, 4), "lost_share": round(self.lost_share, 4),
             "measured_ms": round(self.measured_ns / 1e6, 3), "replayed_ms": round(self.actual_ns / 1e6, 3),
             "ideal_ms": round(self.ideal_ns / 1e6, 3), "fidelity": round(self.fidelity, 4),
             "by_rank": [s.to_dict() for s in self.by_rank], "by_stage": [s.to_dict() for s in self.by_stage],
@@ -164,7 +169,10 @@ class Costing:
     the standard subjects; an incident's impact (`analytics.impact`) for the incident's own (its ranks, its link's
     groups). Pure."""
 
-    def __init__(self, graph: Graph, *, stage_of: Mapping[int, int], host_of: Mapping[int, str] | None = None) -> None:
+    def __init__(self, graph: Graph, *, stage_of: Mapping[int, int], host_of: Mapping[int, str] | None = None,
+                 shared_cpu: bool = True) -> None:
+        """`shared_cpu`: a transfer among ranks of one host runs on their CPUs (CPU timing: its excess is charged to
+        a member showing lost CPU, `_charges`); False on device clocks, where it is the group's."""
         self.graph = graph
         self.schedule = Schedule.of(graph)
         self.stage_of = dict(stage_of)
@@ -184,7 +192,7 @@ class Costing:
         self.own = np.array([w.kind in _OWN_KINDS for w in graph.work], dtype=bool)
         excess_w = np.maximum(0.0, self.actual_w - self.ideal_w)
         self.own_excess = {r: float(excess_w[self.own & (self.owner == r)].sum()) for r in graph.programs}
-        self.charges = _charges(graph, self.own_excess, self.host_of)
+        self.charges = _charges(graph, self.own_excess, self.host_of) if shared_cpu else {}
         self.delta_t = self.actual_t - self.ideal_t
         t, steps = self.schedule.evaluate(np.stack([self.actual_w, self.ideal_w], axis=1),
                                           np.stack([self.actual_t, self.ideal_t], axis=1))
@@ -271,8 +279,8 @@ class Costing:
 
 def analyze_graph(graph: Graph, *, stage_of: Mapping[int, int], measured_ns: float, first_step: int, last_step: int,
                   attempt: int | None = None, warnings: Sequence[str] = (), host_of: Mapping[int, str] | None = None,
-                  rank_subjects: int | None = None, named: Sequence[int] = (), costing: Costing | None = None
-                  ) -> WhatIf:
+                  rank_subjects: int | None = None, named: Sequence[int] = (), costing: Costing | None = None,
+                  clock: str = "cpu") -> WhatIf:
     """The what-if of a built graph (module docstring). Pure. `host_of` (rank -> host) says which transfers ran on
     one host (charged to their members, `_charges`) and adds the hosts as subjects where there are several.
     `rank_subjects` bounds the ranks costed one by one (two replays each) to that many, the ranks with the most
@@ -332,7 +340,8 @@ def analyze_graph(graph: Graph, *, stage_of: Mapping[int, int], measured_ns: flo
                   measured_ns=measured_ns, actual_ns=c.actual_ns, ideal_ns=c.ideal_ns, by_rank=shares["rank"],
                   by_stage=shares["stage"], by_host=shares["host"], by_kind=shares["kind"], by_op=shares["op"],
                   by_group=shares["group"], stage_partition=partition, last_rank=_last_rank(winners, steps),
-                  rotation=(len(winners), steps), step_ns=_step_times(c.step_end_ns), warnings=tuple(warnings))
+                  rotation=(len(winners), steps), step_ns=_step_times(c.step_end_ns), warnings=tuple(warnings),
+                  clock=clock)
 
 
 _OWN_KINDS = frozenset({"compute", "dataloader", "exit"})

@@ -27,8 +27,10 @@ way).
 * Peers for the ideal: work of the ranks of the same pipeline stage at the same place of the same step; transfers of
   the same operation and size over groups of the same kind, across the window.
 
-CPU clock only: on CUDA the host's times are enqueueing, and a device-timed graph needs the device events of every
-operation (not built yet: `WhatIfInputError` says so).
+On CUDA the host's times are enqueueing: the caller (`whatif_of`) then lays each rank's steps on its device's clock
+(every operation's device start and duration, `collectives.device_start_ns` / `device_duration_ns`) and builds with
+`shared_clock=False`: device clocks are never one clock across ranks, so no member's lateness is read from a shared
+clock, and an instance's transfer is the least device time inside (the last kernel to start waits for no peer).
 """
 
 from __future__ import annotations
@@ -108,9 +110,10 @@ class _Spans:
         return total
 
 
-def build_graph(ranks: list[RankSteps], group_kinds: dict[str, str]) -> Graph:
+def build_graph(ranks: list[RankSteps], group_kinds: dict[str, str], *, shared_clock: bool = True) -> Graph:
     """The graph of the window (module docstring). WhatIfInputError when a rank has no steps or the ranks' windows
-    differ."""
+    differ. `shared_clock`: the ranks' wall times are their hosts' clocks (CPU timing), so members on one host share
+    one; False on device clocks, where no two ranks' times compare."""
     if not ranks:
         raise WhatIfInputError("what-if: no rank has steps in the window")
     windows = {r.rank: tuple(r.steps["step"].to_list()) for r in ranks}
@@ -151,8 +154,8 @@ def build_graph(ranks: list[RankSteps], group_kinds: dict[str, str]) -> Graph:
         seen = members[i]
         ranks_seen = tuple(sorted({m[0] for m in seen}))
         before = members[inst.after] if inst.after is not None else []
-        transfers[i] = _transfer(seen, before, host_of)
-        if len(seen) > 1 and len({host_of.get(m[0]) for m in seen}) == 1:
+        transfers[i] = _transfer(seen, before, host_of if shared_clock else None)
+        if shared_clock and len(seen) > 1 and len({host_of.get(m[0]) for m in seen}) == 1:
             prev = {m[0]: m[4] for m in before}
             end_wall[i] = max(max(ew, prev.get(rank, ew)) for rank, _, _, ew, _ in seen) + transfers[i]
         if ranks_seen != tuple(sorted(inst.members)):
@@ -213,16 +216,16 @@ def _signature(item: Item | None) -> str:
 
 
 def _transfer(seen: list[tuple[int, int, int, int, int]], before: list[tuple[int, int, int, int, int]],
-              host_of: dict[int, str]) -> float:
+              host_of: dict[int, str] | None) -> float:
     """An instance's transfer time. A member's time inside counts from when it could start: its enter, or its end of
     the operation before it on the communicator (an asynchronous bucket queued behind the previous one). Clock-free,
     the last to start waits for nobody, so the least time inside is the transfer. Where every member is on one host,
     their wall clocks are one clock: the transfer is then the median member's time from the instance's start (the
     last member's start) to its own end, which also holds the time a member took to see the result (on a busy CPU,
-    milliseconds the least time leaves out)."""
+    milliseconds the least time leaves out). `host_of` None: no clock is shared (device clocks)."""
     prev = {m[0]: (m[2], m[4]) for m in before}
     least = min(x - max(e, prev.get(rank, (e, 0))[0]) for rank, e, x, _, _ in seen)
-    if len({host_of.get(m[0]) for m in seen}) != 1 or len(seen) < 2:
+    if host_of is None or len({host_of.get(m[0]) for m in seen}) != 1 or len(seen) < 2:
         return float(max(0, least))
     start = max(max(ew, prev.get(rank, (0, ew))[1]) for rank, _, _, ew, _ in seen)
     return float(max(0, least, float(np.median([xw - start for _, _, _, _, xw in seen]))))
