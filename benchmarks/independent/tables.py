@@ -180,17 +180,21 @@ class Builder:
 
     def _table(self, table: Table, cols: dict[str, object]) -> pa.Table:
         schema = storage_schema(table)
-        arrays = []
+        arrays: list[pa.Array | pa.ChunkedArray | None] = []
         for f in schema:
-            v = cols[f.name]
-            if isinstance(v, pa.Array | pa.ChunkedArray):
+            v = cols.get(f.name)
+            if v is None:  # a column this source does not model (steps.tokens): null, as from a job that never sets it
+                arrays.append(None)
+            elif isinstance(v, pa.Array | pa.ChunkedArray):
                 arrays.append(v.cast(f.type) if v.type != f.type else v)
             elif isinstance(v, tuple):
                 vals, mask = v
                 arrays.append(pa.array(vals, type=f.type, mask=mask, from_pandas=False))
             else:
                 arrays.append(pa.array(v, type=f.type))
-        return pa.Table.from_arrays(arrays, schema=schema)
+        n = next((len(a) for a in arrays if a is not None), 0)
+        return pa.Table.from_arrays([a if a is not None else pa.nulls(n, f.type) for a, f in zip(arrays, schema)],
+                                    schema=schema)
 
     def topology(self) -> pa.Table:
         w, rng, n = self.w, self.rng, self.w.n

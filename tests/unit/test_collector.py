@@ -56,8 +56,11 @@ def test_step_row_decomposes_time(tmp_path: Path) -> None:
         with c.checkpoint_phase(0, "step-0", CheckpointPhase.WRITE, nbytes=10):
             time.sleep(0.01)
         s.loss = torch.tensor(0.5)
+        s.tokens = torch.tensor(4000)  # e.g. attention_mask.sum(): a 0-d tensor is taken as its count
+    with c.step(1) as s:
+        s.tokens = "many"  # type: ignore[assignment]  # not a count: null, never an error into training
     c.close(exit_code=0)
-    (row,) = sink.rows(Table.STEPS)
+    row, second = sink.rows(Table.STEPS)
     get = dict(zip(column_names(Table.STEPS), row))
     assert get[Steps.DURATION_NS] >= 60e6
     assert 30e6 <= get[Steps.COLLECTIVE_WAIT_NS] < 45e6
@@ -68,6 +71,7 @@ def test_step_row_decomposes_time(tmp_path: Path) -> None:
     assert 18e6 <= get[Steps.COMPUTE_NS] < 40e6
     assert get[Steps.LOSS] == 0.5 and get[Steps.ALL_FINITE] is True
     assert get[Steps.DATA_POSITION] == 96 and get[Steps.NUM_COLLECTIVES] == 1
+    assert get[Steps.TOKENS] == 4000 and dict(zip(column_names(Table.STEPS), second))[Steps.TOKENS] is None
     (coll,) = sink.rows(Table.COLLECTIVES)
     assert dict(zip(column_names(Table.COLLECTIVES), coll))[Collectives.BYTES] == 16
     kinds = _col(Table.EVENTS, sink.rows(Table.EVENTS), Events.KIND)

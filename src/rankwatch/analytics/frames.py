@@ -45,6 +45,7 @@ FRAME_SCHEMAS: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {
         "rank": _I32, "attempt": _I32, "step": _I64, "start_wall_ns": _I64, "end_wall_ns": _I64,
         "duration_ns": _I64, "compute_ns": _I64, "collective_wait_ns": _I64, "dataloader_wait_ns": _I64,
         "checkpoint_ns": _I64, "loss": _F64, "local_grad_norm": _F64, "all_finite": _BOOL, "data_position": _I64,
+        "tokens": _I64,
     },
     # One row per rank per step: clock-free lateness in blocking collectives, from completed operations matched
     # across the group by (group, group_seq). In a blocking collective the early members wait for the last one, so

@@ -155,7 +155,8 @@ def steps(con: duckdb.DuckDBPyConnection, since_step: int | None = None, clock: 
     return conform("steps", _frame(con, f"""
         {untimed or "WITH"} s AS (SELECT * FROM steps WHERE true {_since(since_step)} {dedupe})
         SELECT s.rank, s.attempt, s.step, s.start_wall_ns, s.end_wall_ns, s.duration_ns, {timing},
-               s.dataloader_wait_ns, s.checkpoint_ns, s.loss, s.local_grad_norm, s.all_finite, s.data_position
+               s.dataloader_wait_ns, s.checkpoint_ns, s.loss, s.local_grad_norm, s.all_finite, s.data_position,
+               s.tokens
         FROM s {join} ORDER BY s.rank, s.step"""))
 
 

@@ -21,8 +21,8 @@ from enum import IntFlag, StrEnum
 import pyarrow as pa
 from rankwatch.base.rundir import TELEMETRY_DIR
 
-SCHEMA_VERSION = 3
-READABLE_VERSIONS: tuple[int, ...] = (1, 2, 3)
+SCHEMA_VERSION = 4
+READABLE_VERSIONS: tuple[int, ...] = (1, 2, 3, 4)
 """Schema versions analytics reads: a column added in a later version (`ColumnSpec.since`) reads as null from parts
 of an earlier one."""
 SCHEMA_VERSION_KEY = b"rankwatch.schema_version"
@@ -61,6 +61,7 @@ class Steps(StrEnum):
     DEVICE_NS = "device_ns"
     DEVICE_COMPUTE_NS = "device_compute_ns"
     DEVICE_COLLECTIVE_NS = "device_collective_ns"
+    TOKENS = "tokens"
 
 
 class Phases(StrEnum):
@@ -439,6 +440,16 @@ COLUMNS: dict[Table, tuple[ColumnSpec, ...]] = {
             "collective the early ranks' kernels wait for the late rank's, so the late rank shows the least; null on CPU",
             True,
             since=3,
+        ),
+        _c(
+            Steps.TOKENS,
+            _I64,
+            "count",
+            "the work in this rank's batch for the step as the job counts it (`StepRecord.tokens`: tokens, or whatever "
+            "its compute scales with, e.g. non-padding tokens of a variable-length batch); what tells data skew from "
+            "a rank's own noise where every data-parallel replica is one rank; null when the job does not set it",
+            True,
+            since=4,
         ),
     ),
     Table.PHASES: (

@@ -34,7 +34,8 @@ assert column_names(Table.COLLECTIVES)[0] == Collectives.RANK  # rows below are 
 
 
 class StepRecord:
-    """The step in progress: what the training loop sets (`loss`, `local_grad_norm`, `data_position`) and what the
+    """The step in progress: what the training loop sets (`loss`, `local_grad_norm`, `data_position`, `tokens`: the
+    work in its batch, what its compute scales with; it tells data skew from a rank's noise) and what the
     collector gathers during the step (its collectives, phases and bucket norms). The collector hands the whole
     record to its writer thread at step end; rows are built there, off the training thread.
 
@@ -43,7 +44,7 @@ class StepRecord:
     __slots__ = (
         "step", "start_wall_ns", "start_mono_ns", "end_mono_ns", "loss", "local_grad_norm", "data_position",
         "dataloader_wait_ns", "checkpoint_ns", "seq", "ops", "phases", "grad_sq", "failed", "written", "claimed",
-        "dev_start", "dev_end", "device",
+        "dev_start", "dev_end", "device", "tokens",
     )
 
     def __init__(self, step: int, start_wall_ns: int = 0, start_mono_ns: int = 0) -> None:
@@ -54,6 +55,7 @@ class StepRecord:
         self.loss: float | torch.Tensor | None = None
         self.local_grad_norm: float | None = None
         self.data_position: int | None = None
+        self.tokens: int | None = None
         self.dataloader_wait_ns = 0
         self.checkpoint_ns = 0
         self.seq = 0

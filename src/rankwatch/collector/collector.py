@@ -75,6 +75,18 @@ DEVICE_WARNING_PREFIX = "device timing: "
 _mono, _wall = time.monotonic_ns, time.time_ns
 _NO_DEVICE = (None, None, None)
 
+
+def _count(value: object) -> int | None:
+    """A count the job set (an int, or a 0-d tensor: `mask.sum()`), as an int; None when unset or not a count
+    (a training loop is never stopped over its telemetry)."""
+    if value is None:
+        return None
+    try:
+        n = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return n if n >= 0 else None
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -813,7 +825,7 @@ class Collector:
         return (
             self.rank, record.step, self.attempt, record.start_wall_ns, end_mono + record.wall_offset_ns,
             start_mono, end_mono, duration, compute, wait, dataloader_wait, checkpoint, record.seq,
-            loss, grad_norm, finite, record.data_position, *(record.device or _NO_DEVICE),
+            loss, grad_norm, finite, record.data_position, *(record.device or _NO_DEVICE), _count(record.tokens),
         )
 
     def phase(self, name: str) -> _Phase:

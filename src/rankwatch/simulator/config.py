@@ -150,6 +150,8 @@ def standard_suite() -> tuple[Scenario, ...]:
         _sc("stage_imbalance_256", _L256, 150, StageImbalance(stage=0, factor=1.2, from_step=40)),
         _sc("data_skew_64", _L64, 150, DataSkew(extra=0.3)),
         _sc("data_skew_128", _L128, 150, DataSkew(extra=0.25, count=2)),
+        # pure data parallelism: every replica one rank, told from per-rank noise by the batches' tokens only
+        _sc("data_skew_dp64", Layout(dp=64), 150, DataSkew(extra=0.3)),
         # fail-stop
         _sc("fail_exit_64", _L64, 150, FailStop(rank=11, step=90, how=F.EXIT)),
         _sc("fail_exit_in_collective_128", _L128, 150, FailStop(rank=77, step=80, how=F.EXIT, in_collective=True)),

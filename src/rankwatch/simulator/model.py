@@ -255,6 +255,7 @@ class _Inputs:
     stall: np.ndarray  # (S, N) host stall at the start of forward
     throttle: np.ndarray  # (S, N) throttle bits
     clock_scale: np.ndarray  # (S, N) SM clock multiplier
+    tokens: np.ndarray  # (S, N) work in each rank's batch, as a job counts it (steps.tokens), relative to nominal
 
 
 def _inputs(cfg: SimConfig, topo: _Topo, rng: np.random.Generator) -> _Inputs:
@@ -271,6 +272,7 @@ def _inputs(cfg: SimConfig, topo: _Topo, rng: np.random.Generator) -> _Inputs:
     stop = np.zeros((S, n), dtype=bool)
     stuck_dp = np.zeros((S, n), dtype=bool)
     skewed: set[int] = set()
+    tokens = np.ones((S, n))
     for f in cfg.faults:
         if isinstance(f, SlowHardware):
             comp[:, f.rank] *= 1.0 + f.slow
@@ -301,6 +303,7 @@ def _inputs(cfg: SimConfig, topo: _Topo, rng: np.random.Generator) -> _Inputs:
                 chosen = rng.choice(replicas, size=min(f.count, replicas), replace=False)
                 members = np.flatnonzero(np.isin(topo.dp, chosen))
                 comp[s, members] *= 1.0 + f.extra
+                tokens[s, members] *= 1.0 + f.extra  # the longer batch is that much more work as its job counts it
                 skewed.update(int(c) for c in members)
         elif isinstance(f, SlowLink):
             link = link_name(f"host{f.host_a}", f"host{f.host_b}")
@@ -332,7 +335,8 @@ def _inputs(cfg: SimConfig, topo: _Topo, rng: np.random.Generator) -> _Inputs:
     for cs in ckpt_steps:
         ckpt[cs] = cfg.compute_s * _NS * rng.uniform(2.5, 3.5) * rng.lognormal(0.0, 0.05, n)
     return _Inputs(comp=comp, dl=dl, ckpt=ckpt, ckpt_steps=ckpt_steps, link_mult=link_mult, stop=stop,
-                   stuck_dp=stuck_dp, skewed=skewed, stall=stall, throttle=throttle, clock_scale=clock_scale)
+                   stuck_dp=stuck_dp, skewed=skewed, stall=stall, throttle=throttle, clock_scale=clock_scale,
+                   tokens=tokens)
 
 
 # ------------------------------------------------------------------------------------------------ lifecycle

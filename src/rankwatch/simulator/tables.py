@@ -59,6 +59,10 @@ def _rank_major(mask: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
     return [a.T[m] for a in arrays]
 
 
+_TOKENS_PER_SAMPLE = 1024
+"""Tokens of a nominal sample (steps.tokens: a rank's batch is its share of the global batch, in tokens)."""
+
+
 def _arr(values: Any, t: pa.DataType, valid: np.ndarray | None = None) -> pa.Array:
     if valid is None:
         return pa.array(values, type=t)
@@ -133,8 +137,9 @@ class _Builder:
                 pos[f.step:, list(_div_ranks(f, cfg.layout))] += f.offset
         self.pos = pos
         m = self.step_ok
-        rank, step, st, en, dlv, ckv, cwv, lo, hl, g, p = _rank_major(
-            m, self.ranks_idx, self.steps_idx, start, end, dl, ck, cw, loss, has_loss, gn, pos)
+        work = np.rint(self.inp.tokens * _TOKENS_PER_SAMPLE * max(1, cfg.batch // cfg.layout.dp)).astype(np.int64)
+        rank, step, st, en, dlv, ckv, cwv, lo, hl, g, p, tok = _rank_major(
+            m, self.ranks_idx, self.steps_idx, start, end, dl, ck, cw, loss, has_loss, gn, pos, work)
         dur = (en - st).astype(np.int64)
         comp = dur - cwv.astype(np.int64) - dlv.astype(np.int64) - ckv.astype(np.int64)
         ncoll = self.tr.applies.sum(axis=0)[rank]
@@ -155,7 +160,7 @@ class _Builder:
             "duration_ns": dur, "compute_ns": comp, "collective_wait_ns": cwv.astype(np.int64),
             "dataloader_wait_ns": dlv.astype(np.int64), "checkpoint_ns": ckv.astype(np.int64),
             "num_collectives": ncoll, "loss": _arr(lo, pa.float64(), hl), "local_grad_norm": g,
-            "all_finite": finite, "data_position": p, **device,
+            "all_finite": finite, "data_position": p, **device, "tokens": tok,
         }
         return _table(Table.STEPS, cols, len(rank))
 

@@ -38,7 +38,7 @@ from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Incident
 from rankwatch.analytics.straggler.config import StragglerConfig, _S
 from rankwatch.analytics.straggler.excess import _baselined, _fire_table, _noise, _own_table, _scaled
-from rankwatch.analytics.straggler.imbalance import _data_skew, _stage_imbalance
+from rankwatch.analytics.straggler.imbalance import _data_skew, _stage_imbalance, _token_skew
 from rankwatch.analytics.straggler.links import _slow_links
 from rankwatch.analytics.straggler.ranks import _checkpoint_stragglers, _group_hosts, _rank_incidents
 
@@ -56,7 +56,7 @@ def detect_stragglers(frames: Frames, config: StragglerConfig = StragglerConfig(
     incidents: list[Incident] = []
     stage = _stage_imbalance(table, config)
     incidents.extend(stage)
-    skew = _data_skew(table, config)
+    skew = _data_skew(table, config) or _token_skew(frames, config)
     ranks = _rank_incidents(frames, table, config, skew_found=bool(skew))
     incidents.extend(_group_hosts(frames, ranks, config))
     incidents.extend(_checkpoint_stragglers(frames, table, config, already={i.ranks[0] for i in ranks}))

@@ -1,13 +1,16 @@
-"""Imbalance: a pipeline stage whose median compute exceeds the other stages' (IMBALANCE, STAGE), and random per-step
-data skew between replicas, a different one late each step (IMBALANCE, JOB)."""
+"""Imbalance: a pipeline stage whose median compute exceeds the other stages' (IMBALANCE, STAGE), and data skew
+(IMBALANCE, JOB): random per-step skew between replicas of several ranks, a different one late each step
+(`_data_skew`), or, where the job counts its batches' work (`steps.tokens`), compute that follows it (`_token_skew`)."""
 
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import numpy as np
 import polars as pl
 
+from rankwatch.analytics.frames import Frames
 from rankwatch.analytics.incidents import Cause, Evidence, Incident, IncidentClass, Subject, SubjectKind
 from rankwatch.analytics.straggler.config import StragglerConfig, _R, _S
 from rankwatch.analytics.straggler.excess import _DP, _binom_tail
@@ -114,5 +117,68 @@ def _data_skew(table: pl.DataFrame, config: StragglerConfig) -> list[Incident]:
             columns=("step", "replicas", "deviation", "late_replica"),
             rows=tuple((int(st), int(n), round(float(ld), 4), int(lt)) for st, n, ld, lt in
                        per.select(_S, "n", "lead", "late").head(20).iter_rows()),
+        ),),
+    )]
+
+
+def _token_skew(frames: Frames, config: StragglerConfig) -> list[Incident]:
+    """Data skew read from the work in each rank's batch (`steps.tokens`, as the job counts it): where replicas are
+    single ranks (pure data parallelism) step times alone cannot tell a long batch from a rank's noise
+    (`_data_skew`), but the batches' own sizes can. Per step, each rank's tokens and compute relative to the step's
+    median (dt, dc); pooled over the rank-steps, the compute a batch's extra work explains, dc = beta * dt (a line
+    through the origin: both are deviations from the same step's median), with beta surely positive (its t against
+    the residuals' robust spread beyond the one-sided `chance_alpha` quantile). Each step waits for its slowest
+    rank, so what the skew costs a step is the longest batch's explained excess, beta * max dt; skew is reported
+    when that is at least `replica_skew` at the median step of those whose batches differ (at least `min_steps` of
+    them). Which rank holds the longest batch need not change: a sharding that always gives one rank more is batch
+    content too. Constant tokens (packed sequences) say nothing, and nothing is reported from them."""
+    steps = frames.steps
+    if Steps.TOKENS.value not in steps.columns or steps.get_column(Steps.TOKENS.value).null_count() == steps.height:
+        return []
+    t = (steps.select(_R, _S, pl.col(Steps.COMPUTE_NS.value).cast(pl.Float64).alias("c"),
+                      pl.col(Steps.TOKENS.value).cast(pl.Float64).alias("k"), Steps.END_WALL_NS.value)
+         .drop_nulls(["c", "k"]).filter((pl.col("c") > 0) & (pl.col("k") > 0))
+         .with_columns((pl.col("k") / pl.col("k").median().over(_S) - 1.0).alias("dt"),
+                       (pl.col("c") / pl.col("c").median().over(_S) - 1.0).alias("dc"),
+                       pl.len().over(_S).alias("n"))
+         .filter(pl.col("n") >= 4))
+    per = (t.group_by(_S).agg(pl.col("dt").max().alias("top"), pl.col("dt").abs().max().alias("spread"),
+                              pl.col(_R).sort_by("dt").last().alias("late"),
+                              pl.col(Steps.END_WALL_NS.value).max().alias("wall"))
+           .filter(pl.col("spread") > 0).sort(_S))
+    if per.height < config.min_steps:
+        return []
+    x, y = t.get_column("dt").to_numpy(), t.get_column("dc").to_numpy()
+    sxx = float(np.dot(x, x))
+    beta = float(np.dot(x, y)) / sxx
+    res = y - beta * x
+    spread = 1.4826 * float(np.median(np.abs(res - np.median(res))))
+    t_beta = beta / (max(spread, 1e-6) / math.sqrt(sxx))
+    if beta <= 0 or t_beta < NormalDist().inv_cdf(1.0 - config.chance_alpha):
+        return []
+    per = per.with_columns((beta * pl.col("top").clip(lower_bound=0.0)).alias("cost"))
+    cost = float(per.get_column("cost").median())  # type: ignore[arg-type]
+    if cost < config.replica_skew:
+        return []
+    wide = per.filter(pl.col("cost") >= config.replica_skew)
+    det_row = wide.row(min(config.min_steps, wide.height) - 1, named=True)
+    late = sorted(int(r) for r in per.get_column("late").unique())
+    longest = int(per.group_by("late").len().get_column("len").max())  # type: ignore[arg-type]
+    return [Incident(
+        klass=IncidentClass.IMBALANCE, subject=Subject(kind=SubjectKind.JOB, id="job"), ranks=tuple(late),
+        onset_step=int(per.get_column(_S)[0]), detection_step=int(det_row[_S]), detection_wall_ns=det_row["wall"],
+        confidence=min(0.99, 0.5 + 0.49 * math.tanh(cost / config.replica_skew - 0.5)),
+        cause=Cause.DATA_SKEW,
+        summary=f"data skew: the ranks' batches differ in work (steps.tokens) and their compute follows it (each "
+                f"1 % more tokens is {beta:.2f} % more compute; t = {t_beta:.0f}); at a median step the longest batch "
+                f"costs {cost:.1%} of the step's compute, which every rank waits for. It was on {len(late)} different "
+                f"rank(s) (one rank held it in {longest} of {per.height} steps): batch content, not a device",
+        fields=("compute_ns", "tokens"),
+        evidence=(Evidence(
+            source="steps", summary="per step: the longest batch's tokens over the step's median, its explained "
+                                    "compute excess, and its rank",
+            columns=("step", "longest_tokens_excess", "explained_compute_excess", "rank"),
+            rows=tuple((int(st), round(float(tp), 4), round(float(cs), 4), int(lt)) for st, tp, cs, lt in
+                       per.select(_S, "top", "cost", "late").head(20).iter_rows()),
         ),),
     )]
