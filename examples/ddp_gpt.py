@@ -92,7 +92,10 @@ class TokenStream:
         self.g = torch.Generator().manual_seed(args.seed * 1000 + rank)
 
     def __next__(self) -> Batch:
-        tokens = torch.randint(self.args.vocab, (self.args.batch_size, self.args.seq_len + 1), generator=self.g)
+        length = self.args.seq_len
+        if self.args.min_seq_len:  # variable-length batches, as an unpacked loader gives: each rank draws its own
+            length = int(torch.randint(self.args.min_seq_len, self.args.seq_len + 1, (1,), generator=self.g))
+        tokens = torch.randint(self.args.vocab, (self.args.batch_size, length + 1), generator=self.g)
         self.position += 1
         tokens = tokens.to(self.device)
         return tokens[:, :-1], tokens[:, 1:]
@@ -110,6 +113,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--min-seq-len", type=int, default=0,
+                        help="draw each batch's length in [this, seq-len] (0: every batch seq-len long)")
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--d-model", type=int, default=32)
     parser.add_argument("--n-head", type=int, default=4)
@@ -159,9 +164,10 @@ def main() -> None:
     for step in range(first, args.steps):
         if step == first + args.warmup:
             started = time.perf_counter()
-        with rw.step(step):  # rankwatch
+        with rw.step(step) as s:  # rankwatch
             faults.inject(step, data)
             x, y = next(data)
+            s.tokens = x.numel()  # rankwatch (optional): the batch's work, where batches differ in it
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -227,6 +227,23 @@ def test_exception_is_recorded_and_named(tmp_path: Path) -> None:
     assert incident.onset_step == 20
 
 
+# -- data skew ------------------------------------------------------------------------------------------------------
+
+def test_variable_length_batches_are_data_skew_not_a_rank(tmp_path: Path) -> None:
+    """DDP with each rank drawing its batch's length in [16, 128] every step (an unpacked loader) and saying how many
+    tokens it holds (`s.tokens`): under pure data parallelism step times alone cannot tell a long batch from a slow
+    rank, the batches' tokens can. One incident: data skew of the job, costed by the what-if, no rank blamed. (The
+    clean runs above record constant tokens and raise nothing.)"""
+    from rankwatch.analytics.incidents import Cause, ImpactBasis
+
+    analysis = analyze(run_ok(tmp_path, "ddp_gpt", "--seq-len", "128", "--min-seq-len", "16", steps=80))
+    assert [(i.klass, i.subject.kind, i.cause) for i in analysis.incidents] == [
+        (IncidentClass.IMBALANCE, SubjectKind.JOB, Cause.DATA_SKEW)], described(analysis.incidents)
+    impact = analysis.incidents[0].impact
+    assert impact is not None and impact.basis is ImpactBasis.WHATIF and impact.share is not None
+    assert impact.share > 0.05, impact
+
+
 # -- divergence -----------------------------------------------------------------------------------------------------
 
 def test_per_rank_seed_is_not_divergence(tmp_path: Path) -> None:
