@@ -128,13 +128,13 @@ def whatif_of(con: duckdb.DuckDBPyConnection, *, run_dir: Path | str, steps: tup
         if t["rank"] in host_of and t["host"] is not None:
             host_of[int(t["rank"])] = str(t["host"])
     kinds = {str(g["group"]): str(g["kind"]) for g in queries.groups(con).iter_rows(named=True)}
-    data = _spans(con, "SELECT rank, start_mono_ns AS s, start_mono_ns + duration_ns AS e FROM phases "
-                       "WHERE phase = 'data'", Table.PHASES in tables)
     ckpt = _spans(con, "SELECT rank, start_mono_ns AS s, end_mono_ns AS e FROM checkpoint_phases",
                   Table.CHECKPOINT_PHASES in tables)
     if device:
         per_rank, measured = _on_device(con, rows, ranks, window, ckpt, stage_of, host_of, warnings)
     else:
+        data = _spans(con, "SELECT rank, start_mono_ns AS s, start_mono_ns + duration_ns AS e FROM phases "
+                           "WHERE phase = 'data'", Table.PHASES in tables)  # the device clock does not place them
         per_rank, measured = _on_cpu(con, rows, ranks, window, attempt, data, ckpt, stage_of, host_of, warnings)
     graph = build_graph(per_rank, kinds, shared_clock=not device)
     costing = Costing(graph, stage_of=stage_of, host_of=host_of, shared_cpu=not device)
@@ -204,9 +204,8 @@ def _on_device(con: duckdb.DuckDBPyConnection, rows: pl.DataFrame, ranks: list[i
                         "the Flight Recorder): counted as their ranks' compute on the device clock")
     colls = colls.filter(pl.col("status") == "ok")
     unplaced = colls.filter(pl.col("device_start_ns").is_null() | pl.col("device_duration_ns").is_null())
-    steps_ok = rows.filter(pl.col("device_ns").is_not_null())
-    dropped = (set(rows["step"].to_list()) - set(_on_every_rank(steps_ok, len(ranks))))
-    dropped |= set(unplaced["step"].to_list())
+    # `rows` holds every rank's steps of the window: a step goes where some rank's step or operation is unresolved
+    dropped = set(rows.filter(pl.col("device_ns").is_null())["step"].to_list()) | set(unplaced["step"].to_list())
     if dropped:
         warnings.append(f"{len(dropped)} step(s) of the window left out of the device-clock replay: some rank's step "
                         f"or collective has no resolved device events (steps {_few(sorted(dropped))})")
@@ -235,11 +234,6 @@ def _on_device(con: duckdb.DuckDBPyConnection, rows: pl.DataFrame, ranks: list[i
         per_rank.append(RankSteps(rank=r, stage=stage_of[r], host=host_of[r], steps=steps, collectives=ops, data=[],
                                   checkpoint=[]))
     return per_rank, measured
-
-
-def _on_every_rank(steps: pl.DataFrame, ranks: int) -> list[int]:
-    counts = steps.group_by("step").agg(pl.col("rank").n_unique().alias("n"))
-    return counts.filter(pl.col("n") == ranks)["step"].to_list()
 
 
 def _few(steps: list[int]) -> str:
